@@ -1,0 +1,119 @@
+"""Every configuration default of adaserve lives here, in frozen dataclasses split by layer."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+POLICIES = ("adaserve", "global_greedy", "equal_greedy", "specinfer", "sequence", "incremental")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to run and how. `model=None` means the default SmolLM2-135M-Instruct."""
+
+    model: str | None = None
+    draft_model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    # None: the model's own max_position_embeddings.
+    max_model_len: int | None = None
+    # "auto": flashinfer on CUDA when installed, else the torch reference.
+    attention_backend: str = "auto"
+    # Seed for requests that give none, so runs repeat.
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: `num_blocks` wins over `memory_fraction` when both are given."""
+
+    block_size: int = 16
+    num_blocks: int | None = None
+    # Fraction of system RAM (CPU) or of free GPU memory (CUDA) for the target's KV blocks.
+    memory_fraction: float = 0.05
+    # Draft KV gets this fraction of the target's block count (it also holds scratch tree slots).
+    draft_blocks_ratio: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
+        if not 0.0 < self.memory_fraction <= 0.95:
+            raise ValueError(f"memory_fraction must be in (0, 0.95], got {self.memory_fraction}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Batching and speculation knobs. Symbols follow the AdaServe paper (B, D_max, W_max, n_max)."""
+
+    policy: str = "incremental"
+    max_num_seqs: int = 64
+    # Cap on prompt tokens prefilled in one iteration (a longer single prompt still runs alone).
+    max_num_batched_tokens: int = 2048
+    # B: tokens verified per target forward, all requests' roots included.
+    budget: int = 16
+    max_depth: int = 6  # D_max
+    max_width: int = 4  # W_max
+    n_max: int = 8  # cap on nodes a request takes in the SLO-customized step
+    gamma: int = 4  # chain length of the `sequence` baseline
+    specinfer_expansion: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
+    # Weight of the newest sample in the moving estimate of the iteration latency t_spec.
+    t_spec_ema: float = 0.2
+    # Initial t_spec before any iteration was measured (seconds).
+    t_spec_init_s: float = 0.05
+    # Waiting-queue bound; the server answers 429 beyond it. None: unbounded.
+    max_waiting: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "budget", "max_depth",
+                     "max_width", "n_max", "gamma"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.specinfer_expansion or min(self.specinfer_expansion) <= 0:
+            raise ValueError(f"specinfer_expansion must be positive ints, got {self.specinfer_expansion}")
+        if not 0.0 < self.t_spec_ema <= 1.0:
+            raise ValueError(f"t_spec_ema must be in (0, 1], got {self.t_spec_ema}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.policy != "incremental"
+
+
+def parse_slo_classes(spec: str) -> tuple[tuple[str, float], ...]:
+    """'urgent=50,normal=150,relaxed=inf' -> (('urgent', 50.0), ...), sorted by bound."""
+    classes = []
+    for part in spec.split(","):
+        name, sep, bound = part.strip().partition("=")
+        if not sep or not name:
+            raise ValueError(f"SLO class {part!r} must look like name=milliseconds")
+        value = math.inf if bound.strip() in ("inf", "") else float(bound)
+        if value <= 0:
+            raise ValueError(f"SLO class bound must be > 0, got {part!r}")
+        classes.append((name.strip(), value))
+    return tuple(sorted(classes, key=lambda c: c[1]))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """HTTP server settings."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    default_slo_tpot_ms: float | None = None
+    slo_classes: tuple[tuple[str, float], ...] = field(
+        default_factory=lambda: parse_slo_classes("urgent=50,normal=150,relaxed=inf"))
+    # Seconds a 429 asks the client to wait.
+    retry_after_s: int = 1

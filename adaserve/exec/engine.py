@@ -1,0 +1,157 @@
+"""ExecutionEngine: the target and draft runners. Executes forward batches; holds no policy.
+
+The request manager builds a `ForwardBatch` (plain lists: which tokens at which positions,
+which KV indices, which masks) and reads logits back. KV blocks are reserved by the request
+manager through `runner.cache` before a batch is run, never by the runner itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from adaserve.config import CacheConfig, ModelConfig
+from adaserve.exec.attention.base import AttentionBackend, AttentionMetadata
+from adaserve.exec.attention.torch_ref import TorchAttentionBackend
+from adaserve.exec.kv_cache import KVCache, blocks_for_memory
+from adaserve.exec.loader import (
+    check_draft_compatible,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+)
+from adaserve.exec.model.llama import LlamaForCausalLM
+
+
+@dataclass
+class ForwardBatch:
+    """One forward over several sequences' new tokens (flat, sequence after sequence)."""
+
+    token_ids: list[int]
+    positions: list[int]
+    query_lens: list[int]
+    kv_lens: list[int]
+    block_tables: list[list[int]]
+    masks: list[torch.Tensor | None]
+    # Flat indices of tokens whose logits are wanted (None: every token).
+    logits_indices: list[int] | None = None
+
+    def metadata(self) -> AttentionMetadata:
+        return AttentionMetadata(self.query_lens, self.kv_lens, self.block_tables, self.masks)
+
+
+@dataclass
+class SequenceBatchBuilder:
+    """Accumulates sequences into a ForwardBatch; who fills it: the request manager."""
+
+    batch: ForwardBatch = field(default_factory=lambda: ForwardBatch([], [], [], [], [], [], []))
+
+    def add(self, tokens: list[int], positions: list[int], kv_len: int, block_table: list[int],
+            mask: torch.Tensor | None = None, logits: str = "all") -> list[int]:
+        """Append a sequence; returns the flat indices (into logits rows) of its wanted logits."""
+        b = self.batch
+        start = len(b.token_ids)
+        b.token_ids += tokens
+        b.positions += positions
+        b.query_lens.append(len(tokens))
+        b.kv_lens.append(kv_len)
+        b.block_tables.append(block_table)
+        b.masks.append(mask)
+        assert b.logits_indices is not None
+        first = len(b.logits_indices)
+        if logits == "all":
+            b.logits_indices += range(start, start + len(tokens))
+        elif logits == "last":
+            b.logits_indices.append(start + len(tokens) - 1)
+        return list(range(first, len(b.logits_indices)))
+
+    def __len__(self) -> int:
+        return len(self.batch.query_lens)
+
+
+class ModelRunner:
+    """One model, its KV cache and attention backend."""
+
+    def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend) -> None:
+        self.model, self.cache, self.backend = model, cache, backend
+        self.device = cache.device
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        """Run the batch; returns float32 logits [len(logits_indices), vocab] (or None if none wanted)."""
+        self.backend.plan(batch.metadata())
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, pos, self.backend)  # [T, hidden]
+        if batch.logits_indices is None:
+            return self.model.compute_logits(hidden)
+        if not batch.logits_indices:
+            return None
+        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[idx])
+
+
+def _make_backend(name: str, cache: KVCache) -> AttentionBackend:
+    if name == "auto":
+        name = "flashinfer" if cache.device.type == "cuda" and _has_flashinfer() else "torch"
+    if name == "torch":
+        return TorchAttentionBackend(cache)
+    if name == "flashinfer":
+        from adaserve.exec.attention.flashinfer import FlashInferAttentionBackend  # type: ignore
+        return FlashInferAttentionBackend(cache)
+    raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {name!r}")
+
+
+def _has_flashinfer() -> bool:
+    try:
+        import adaserve.exec.attention.flashinfer  # type: ignore # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def _build_runner(path: Path, model_cfg: ModelConfig, num_blocks: int | None,
+                  cache_cfg: CacheConfig) -> ModelRunner:
+    model = load_model(path, model_cfg.dtype, model_cfg.device)
+    a = model.args
+    dtype = next(model.parameters()).dtype
+    device = torch.device(model_cfg.device)
+    if num_blocks is None:
+        per_block = KVCache.bytes_per_block(a.num_layers, cache_cfg.block_size, a.num_kv_heads,
+                                            a.head_dim, dtype)
+        num_blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, device)
+    cache = KVCache(a.num_layers, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim,
+                    dtype, device)
+    return ModelRunner(model, cache, _make_backend(model_cfg.attention_backend, cache))
+
+
+class ExecutionEngine:
+    """Target runner, optional draft runner, tokenizer and the model-length limit."""
+
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, need_draft: bool) -> None:
+        self.target_path = resolve_model_path(model_cfg.model)
+        self.tokenizer = load_tokenizer(self.target_path)
+        self.target = _build_runner(self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg)
+        self.draft: ModelRunner | None = None
+        self.draft_path: Path | None = None
+        if model_cfg.draft_model is not None or need_draft:
+            if model_cfg.draft_model is None:
+                from adaserve.exec.default_model import default_draft_dir
+                self.draft_path = default_draft_dir(self.target_path)
+            else:
+                self.draft_path = resolve_model_path(model_cfg.draft_model)
+            check_draft_compatible(self.target_path, self.draft_path)
+            draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
+            self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
+        args = self.target.model.args
+        limit = args.max_position_embeddings
+        if args.sliding_window is not None:
+            # No sliding-window attention here: stay within the window, where it is plain attention.
+            limit = min(limit, args.sliding_window)
+        if model_cfg.max_model_len is not None and model_cfg.max_model_len > limit:
+            raise ValueError(f"max_model_len {model_cfg.max_model_len} exceeds what the model "
+                             f"supports ({limit})")
+        self.max_model_len = model_cfg.max_model_len or limit
+        self.vocab_size = args.vocab_size

@@ -1,0 +1,126 @@
+"""Paged KV cache: fixed-size blocks, a free-list allocator, per-sequence block tables.
+
+A block table is a plain `list[int]` owned by whoever owns the sequence (the Request); the
+cache grows, shrinks and compacts it in place and never keeps a reference to it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+class NoFreeBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free."""
+
+
+class BlockAllocator:
+    """LIFO free list of block ids (recently freed blocks are reused first: warm in cache)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._used = bytearray(num_blocks)  # 1 = allocated; catches double frees
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self._used[b] = 1
+        return blocks
+
+    def free(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if not self._used[b]:
+                raise RuntimeError(f"KV block {b} freed twice")
+            self._used[b] = 0
+            self._free.append(b)
+
+
+def blocks_for_memory(bytes_per_block: int, fraction: float, device: torch.device) -> int:
+    """How many blocks fit in `fraction` of system RAM (CPU) or of free GPU memory (CUDA)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * fraction
+    else:
+        budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction
+    return max(1, int(budget // bytes_per_block))
+
+
+class KVCache:
+    """Per-layer K and V over `num_blocks * block_size` slots: k[layer] is [slots, Hkv, D]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.block_size = block_size
+        self.device = torch.device(device)
+        shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.allocator = BlockAllocator(num_blocks)
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
+        """Extra blocks `block_table` needs to hold `num_tokens` KV entries."""
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+
+    def reserve(self, block_table: list[int], num_tokens: int) -> None:
+        """Grow `block_table` in place so it holds at least `num_tokens` entries."""
+        need = self.blocks_needed(block_table, num_tokens)
+        if need:
+            block_table.extend(self.allocator.allocate(need))
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Shrink `block_table` in place to the blocks that `num_tokens` entries occupy."""
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            self.allocator.free(block_table[keep:])
+            del block_table[keep:]
+
+    def release(self, block_table: list[int]) -> None:
+        """Free every block of a finished or aborted sequence."""
+        self.truncate(block_table, 0)
+
+    def slots(self, block_table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of KV indices [start, end) of a sequence: [end - start] int64, CPU."""
+        idx = torch.arange(start, end)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return table[idx // self.block_size] * self.block_size + idx % self.block_size
+
+    def keep_subset(self, block_table: list[int], start: int, keep: list[int]) -> None:
+        """Keep chosen fresh entries, compacted, and free the rest.
+
+        The entries at KV indices start + keep[j] (keep strictly increasing) move to start + j for
+        every layer; blocks past start + len(keep) are freed. Tree verification uses this to keep
+        the accepted path's KV and drop the rejected branches.
+        """
+        if any(b <= a for a, b in zip(keep, keep[1:])) or (keep and keep[0] < 0):
+            raise ValueError(f"keep offsets must be strictly increasing and >= 0, got {keep}")
+        moved = [j for j, off in enumerate(keep) if off != j]
+        if moved:
+            src = self.slots(block_table, 0, start + keep[-1] + 1)[[start + keep[j] for j in moved]]
+            dst = self.slots(block_table, start, start + len(keep))[moved]
+            src, dst = src.to(self.device), dst.to(self.device)
+            # Advanced indexing on the right copies first, so overlapping moves are safe.
+            self.k[:, dst] = self.k[:, src]
+            self.v[:, dst] = self.v[:, src]
+        self.truncate(block_table, start + len(keep))

@@ -1,0 +1,125 @@
+"""Offline API shaped like vLLM's: `LLM(...).generate(prompts, SamplingParams(...))`.
+
+`LLMEngine` is the step-wise core that both `LLM` and the HTTP server drive: add requests,
+call `step()` repeatedly, read back `RequestOutput`s with the new text in `delta_text`.
+It is not thread-safe: one thread owns it (the server puts it in its own thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import fields
+
+from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.engine import ExecutionEngine
+from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
+from adaserve.request_manager.scheduler import Scheduler
+
+
+class LLMEngine:
+    """Continuous-batching engine over one target (and draft) model."""
+
+    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
+                 sched_cfg: SchedulerConfig) -> None:
+        self.model_cfg, self.cache_cfg, self.sched_cfg = model_cfg, cache_cfg, sched_cfg
+        self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=sched_cfg.speculative)
+        self.tokenizer = self.engine.tokenizer
+        self.scheduler = Scheduler(sched_cfg, self.engine)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
+                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+        """Queue a request; raises ValueError naming the problem for bad input."""
+        ids = self.tokenize(prompt)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, prompt=prompt if isinstance(prompt, str) else None,
+                      arrival_time=arrival_time, default_seed=self.model_cfg.seed)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.scheduler.abort(request_id)
+        return None if req is None else self.scheduler.output.make_output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        """One iteration; outputs of requests that got tokens or finished."""
+        return [self.scheduler.output.make_output(r) for r in self.scheduler.step()]
+
+    @property
+    def last_stats(self):
+        return self.scheduler.last_stats
+
+
+class LLM:
+    """Offline batched generation. Keyword arguments go to the config dataclasses by name."""
+
+    def __init__(self, model: str | None = None, draft_model: str | None = None,
+                 policy: str = "incremental", **kwargs) -> None:
+        groups = {ModelConfig: {"model": model, "draft_model": draft_model},
+                  CacheConfig: {}, SchedulerConfig: {"policy": policy}}
+        for key, value in kwargs.items():
+            owner = next((c for c in groups if key in {f.name for f in fields(c)}), None)
+            if owner is None:
+                raise TypeError(f"LLM() got an unknown argument {key!r}")
+            groups[owner][key] = value
+        self.llm_engine = LLMEngine(ModelConfig(**groups[ModelConfig]),
+                                    CacheConfig(**groups[CacheConfig]),
+                                    SchedulerConfig(**groups[SchedulerConfig]))
+
+    @property
+    def tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = sampling_params or SamplingParams()
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        eng = self.llm_engine
+        now = time.monotonic()
+        reqs: list[Request] = []
+        try:
+            for p, sp in zip(prompts, plist):
+                reqs.append(eng.add_request(p, sp, arrival_time=now))
+        except Exception:
+            for r in reqs:  # all or nothing: a bad prompt leaves no half-queued batch behind
+                eng.abort(r.request_id)
+            raise
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(reqs):
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[r.request_id] for r in reqs]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template, then generate."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        ids = [self.llm_engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
+        return self.generate(ids, sampling_params)

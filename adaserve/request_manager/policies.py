@@ -1,0 +1,70 @@
+"""Policies: the same iteration loop, each with its own speculation shape and selection function."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from adaserve.config import SchedulerConfig
+from adaserve.tree import (
+    CandidateTree,
+    adaserve_select,
+    equal_greedy_select,
+    global_greedy_select,
+    select_all,
+    tree_shape,
+)
+
+
+@dataclass(frozen=True)
+class SpecShape:
+    """How the draft grows candidate trees this iteration.
+
+    Beam mode (`expansion` None): `depth` steps of beam search keeping `width` beams.
+    Expansion mode (SpecInfer): step k gives every frontier node its top `expansion[k]` children.
+    """
+
+    depth: int
+    width: int
+    expansion: tuple[int, ...] | None = None
+
+    def frontier_sizes(self) -> list[int]:
+        """Nodes added at depth 1..depth (per request)."""
+        if self.expansion is None:
+            return [self.width] * self.depth
+        sizes, n = [], 1
+        for e in self.expansion[: self.depth]:
+            n *= e
+            sizes.append(n)
+        return sizes
+
+    @property
+    def max_nodes(self) -> int:
+        return 1 + sum(self.frontier_sizes())
+
+
+def spec_shape(cfg: SchedulerConfig, num_requests: int) -> SpecShape | None:
+    """This iteration's candidate-tree shape; None for incremental decoding."""
+    p = cfg.policy
+    if p == "incremental":
+        return None
+    if p == "sequence":
+        return SpecShape(depth=cfg.gamma, width=1)
+    if p == "specinfer":
+        return SpecShape(depth=len(cfg.specinfer_expansion), width=max(cfg.specinfer_expansion),
+                         expansion=cfg.specinfer_expansion)
+    d, w = tree_shape(cfg.budget, num_requests, cfg.max_depth, cfg.max_width)
+    return SpecShape(depth=d, width=w)
+
+
+def select_nodes(cfg: SchedulerConfig, trees: Sequence[CandidateTree],
+                 a_cap: Sequence[float | None], a_order: Sequence[float | None]) -> list[list[int]]:
+    """The policy's selection: per request, sorted node indices including the root."""
+    p = cfg.policy
+    if p == "adaserve":
+        return adaserve_select(trees, a_cap, a_order, cfg.budget, cfg.n_max)
+    if p == "global_greedy":
+        return global_greedy_select(trees, cfg.budget)
+    if p == "equal_greedy":
+        return equal_greedy_select(trees, cfg.budget)
+    return select_all(trees)  # specinfer, sequence, incremental: verify whatever was drafted

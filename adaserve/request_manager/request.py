@@ -1,0 +1,174 @@
+"""A request: its sampling parameters and SLO, its tokens, timing, status and KV block tables."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a request, and its TPOT SLO (None: best effort)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    slo_tpot_ms: float | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.top_k, int) or (self.top_k < -1 or self.top_k == 0):
+            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
+            raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    """Timing of one request, in seconds (monotonic clock) and derived latencies."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finish_time: float | None = None
+    num_output_tokens: int = 0
+    slo_tpot_ms: float | None = None
+    token_times: list[float] = field(default_factory=list)  # emit time of every output token
+    # Speculation statistics.
+    num_iterations: int = 0
+    num_tree_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first; None with fewer than two tokens."""
+        if self.num_output_tokens < 2 or self.first_token_time is None:
+            return None
+        assert self.last_token_time is not None
+        return 1000.0 * (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+
+    @property
+    def slo_attained(self) -> bool | None:
+        """TPOT within the SLO (a single-token answer trivially meets it); None without an SLO."""
+        if self.slo_tpot_ms is None:
+            return None
+        tpot = self.tpot_ms
+        return True if tpot is None else tpot <= self.slo_tpot_ms
+
+    @property
+    def e2e_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """What `generate` returns, and what a stream yields (with the new text/tokens in `delta_*`)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)
+
+
+class Request:
+    """One generation request. The scheduler advances it; it owns its tokens, timing and KV tables."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None = None, arrival_time: float | None = None,
+                 default_seed: int = 0) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.finish_reason: str | None = None
+        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic(),
+                                      slo_tpot_ms=params.slo_tpot_ms)
+        # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
+        self.block_table: list[int] = []
+        self.num_cached = 0
+        self.draft_block_table: list[int] = []
+        self.draft_num_cached = 0
+        seed = params.seed if params.seed is not None else hash((default_seed, request_id)) & 0x7FFFFFFF
+        self.generator = torch.Generator().manual_seed(seed)
+        # Output text cut before a matched stop string (None: no stop string matched).
+        self.stop_text: str | None = None
+        self.sent_text_len = 0
+        self.sent_token_len = 0
+        self.aborted = False
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.all_token_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token: int, now: float) -> None:
+        self.output_token_ids.append(token)
+        m = self.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        m.last_token_time = now
+        m.token_times.append(now)
+        m.num_output_tokens = len(self.output_token_ids)
+
+    def finish(self, reason: str, now: float) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.metrics.finish_time = now

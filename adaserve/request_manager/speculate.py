@@ -1,0 +1,94 @@
+"""Speculation: the draft model grows one candidate tree per request by batched beam search.
+
+Draft KV layout of a request with L committed tokens (the last one is the root):
+  KV indices [0, L)       committed tokens (kept across iterations)
+  KV indices [L, L + S)   scratch: frontier nodes fed in steps 2..d, in feeding order (freed after)
+A node's RoPE position is L - 1 + depth; its KV index is wherever it was fed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder
+from adaserve.request_manager.policies import SpecShape
+from adaserve.request_manager.request import Request
+from adaserve.tree import CandidateTree, beam_search_step, expand_step
+
+
+def draft_scratch_tokens(shape: SpecShape) -> int:
+    """Scratch KV entries one request needs: every frontier fed in steps 2..d."""
+    return sum(shape.frontier_sizes()[:-1])
+
+
+def speculate(draft: ModelRunner, requests: Sequence[Request], shape: SpecShape) -> list[CandidateTree]:
+    """Run the draft for `shape.depth` steps; returns one candidate tree per request.
+
+    The caller has reserved draft KV for L + draft_scratch_tokens(shape) entries per request;
+    afterwards each request's draft KV holds exactly its L committed tokens again.
+    """
+    trees = [CandidateTree.root(r.last_token) for r in requests]
+    # Step 1: each request feeds every committed token the draft has not seen (at least the root).
+    builder = SequenceBatchBuilder()
+    for r in requests:
+        n = r.num_tokens
+        builder.add(r.all_token_ids[r.draft_num_cached:], list(range(r.draft_num_cached, n)), n,
+                    r.draft_block_table, logits="last")
+        r.draft_num_cached = n
+    logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V]
+    frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, step=0)
+    scratch: list[dict[int, int]] = [{} for _ in requests]  # node -> draft KV index
+    for step in range(1, shape.depth):
+        builder = SequenceBatchBuilder()
+        for i, r in enumerate(requests):
+            base = r.num_tokens + len(scratch[i])
+            for j, node in enumerate(frontier[i]):
+                scratch[i][node] = base + j
+            kv_len = base + len(frontier[i])
+            builder.add([trees[i].tokens[v] for v in frontier[i]],
+                        [r.num_tokens - 1 + trees[i].depths[v] for v in frontier[i]], kv_len,
+                        r.draft_block_table, mask=_draft_mask(trees[i], frontier[i], scratch[i],
+                                                              r.num_tokens, kv_len))
+        width = len(frontier[0])
+        logits = draft.forward(builder.batch)  # [R * width, V]
+        logprobs = torch.log_softmax(logits, dim=-1).view(len(requests), width, -1)
+        frontier = _grow(trees, frontier, logprobs, shape, step)
+    for r in requests:
+        draft.cache.truncate(r.draft_block_table, r.num_tokens)
+    return trees
+
+
+def _grow(trees: list[CandidateTree], frontier: list[list[int]], logprobs: torch.Tensor,
+          shape: SpecShape, step: int) -> list[list[int]]:
+    """Add the next level to every tree; logprobs [R, F, V] for the F frontier nodes of each."""
+    new_frontier = []
+    if shape.expansion is None:
+        path = torch.tensor([[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)])
+        parent, token, tok_lp, _ = beam_search_step(path, logprobs, shape.width)
+        for i, tree in enumerate(trees):
+            parents = [frontier[i][p] for p in parent[i].tolist()]
+            new_frontier.append(tree.add_nodes(parents, token[i].tolist(), tok_lp[i].tolist()))
+        return new_frontier
+    k = shape.expansion[step]
+    r, f, v = logprobs.shape
+    token, tok_lp = expand_step(logprobs.reshape(r * f, v), k)  # [R*F, k]
+    token, tok_lp = token.view(r, f * k), tok_lp.view(r, f * k)
+    for i, tree in enumerate(trees):
+        parents = [node for node in frontier[i] for _ in range(k)]
+        new_frontier.append(tree.add_nodes(parents, token[i].tolist(), tok_lp[i].tolist()))
+    return new_frontier
+
+
+def _draft_mask(tree: CandidateTree, frontier: list[int], scratch: dict[int, int],
+                num_tokens: int, kv_len: int) -> torch.Tensor:
+    """[F, kv_len] bool: committed context plus each fed node's own scratch ancestors and itself."""
+    mask = torch.zeros(len(frontier), kv_len, dtype=torch.bool)
+    mask[:, :num_tokens] = True
+    for row, node in enumerate(frontier):
+        v = node
+        while v > 0:  # the root lives in the committed context
+            mask[row, scratch[v]] = True
+            v = tree.parents[v]
+    return mask
