@@ -53,7 +53,7 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Batching and speculation knobs. Symbols follow the AdaServe paper (B, D_max, W_max, n_max)."""
+    """Batching and speculation knobs. Symbols as in the paper (B, D_max, W_max, n_max)."""
 
     policy: str = "incremental"
     max_num_seqs: int = 64
@@ -63,7 +63,8 @@ class SchedulerConfig:
     budget: int = 16
     max_depth: int = 6  # D_max
     max_width: int = 4  # W_max
-    n_max: int = 8  # cap on nodes a request takes in the SLO-customized step
+    # Cap on a request's tree size (root included, as in Algorithm 2) in the SLO-customized step.
+    n_max: int = 8
     gamma: int = 4  # chain length of the `sequence` baseline
     specinfer_expansion: tuple[int, ...] = (1, 1, 3, 1, 1, 1, 1, 1)
     # Weight of the newest sample in the moving estimate of the iteration latency t_spec.
@@ -76,12 +77,21 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "budget", "max_depth",
-                     "max_width", "n_max", "gamma"):
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "budget",
+            "max_depth",
+            "max_width",
+            "n_max",
+            "gamma",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not self.specinfer_expansion or min(self.specinfer_expansion) <= 0:
-            raise ValueError(f"specinfer_expansion must be positive ints, got {self.specinfer_expansion}")
+            raise ValueError(
+                f"specinfer_expansion must be positive ints, got {self.specinfer_expansion}"
+            )
         if not 0.0 < self.t_spec_ema <= 1.0:
             raise ValueError(f"t_spec_ema must be in (0, 1], got {self.t_spec_ema}")
 
@@ -114,6 +124,7 @@ class ServerConfig:
     served_model_name: str | None = None
     default_slo_tpot_ms: float | None = None
     slo_classes: tuple[tuple[str, float], ...] = field(
-        default_factory=lambda: parse_slo_classes("urgent=50,normal=150,relaxed=inf"))
+        default_factory=lambda: parse_slo_classes("urgent=50,normal=150,relaxed=inf")
+    )
     # Seconds a 429 asks the client to wait.
     retry_after_s: int = 1

@@ -21,8 +21,9 @@ from adaserve.request_manager.scheduler import Scheduler
 class LLMEngine:
     """Continuous-batching engine over one target (and draft) model."""
 
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig,
-                 sched_cfg: SchedulerConfig) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig
+    ) -> None:
         self.model_cfg, self.cache_cfg, self.sched_cfg = model_cfg, cache_cfg, sched_cfg
         self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=sched_cfg.speculative)
         self.tokenizer = self.engine.tokenizer
@@ -39,18 +40,31 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams,
-                    request_id: str | None = None, arrival_time: float | None = None) -> Request:
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
         """Queue a request; raises ValueError naming the problem for bad input."""
         ids = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, prompt=prompt if isinstance(prompt, str) else None,
-                      arrival_time=arrival_time, default_seed=self.model_cfg.seed)
+        req = Request(
+            rid,
+            ids,
+            params,
+            prompt=prompt if isinstance(prompt, str) else None,
+            arrival_time=arrival_time,
+            default_seed=self.model_cfg.seed,
+        )
         self.scheduler.add(req)
         return req
 
@@ -73,26 +87,38 @@ class LLMEngine:
 class LLM:
     """Offline batched generation. Keyword arguments go to the config dataclasses by name."""
 
-    def __init__(self, model: str | None = None, draft_model: str | None = None,
-                 policy: str = "incremental", **kwargs) -> None:
-        groups = {ModelConfig: {"model": model, "draft_model": draft_model},
-                  CacheConfig: {}, SchedulerConfig: {"policy": policy}}
+    def __init__(
+        self,
+        model: str | None = None,
+        draft_model: str | None = None,
+        policy: str = "incremental",
+        **kwargs,
+    ) -> None:
+        groups = {
+            ModelConfig: {"model": model, "draft_model": draft_model},
+            CacheConfig: {},
+            SchedulerConfig: {"policy": policy},
+        }
         for key, value in kwargs.items():
             owner = next((c for c in groups if key in {f.name for f in fields(c)}), None)
             if owner is None:
                 raise TypeError(f"LLM() got an unknown argument {key!r}")
             groups[owner][key] = value
-        self.llm_engine = LLMEngine(ModelConfig(**groups[ModelConfig]),
-                                    CacheConfig(**groups[CacheConfig]),
-                                    SchedulerConfig(**groups[SchedulerConfig]))
+        self.llm_engine = LLMEngine(
+            ModelConfig(**groups[ModelConfig]),
+            CacheConfig(**groups[CacheConfig]),
+            SchedulerConfig(**groups[SchedulerConfig]),
+        )
 
     @property
     def tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 ) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
@@ -117,8 +143,9 @@ class LLM:
                     done[out.request_id] = out
         return [done[r.request_id] for r in reqs]
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Apply the tokenizer's chat template, then generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.llm_engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]

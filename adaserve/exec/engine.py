@@ -48,8 +48,15 @@ class SequenceBatchBuilder:
 
     batch: ForwardBatch = field(default_factory=lambda: ForwardBatch([], [], [], [], [], [], []))
 
-    def add(self, tokens: list[int], positions: list[int], kv_len: int, block_table: list[int],
-            mask: torch.Tensor | None = None, logits: str = "all") -> list[int]:
+    def add(
+        self,
+        tokens: list[int],
+        positions: list[int],
+        kv_len: int,
+        block_table: list[int],
+        mask: torch.Tensor | None = None,
+        logits: str = "all",
+    ) -> list[int]:
         """Append a sequence; returns the flat indices (into logits rows) of its wanted logits."""
         b = self.batch
         start = len(b.token_ids)
@@ -80,7 +87,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Run the batch; returns float32 logits [len(logits_indices), vocab] (or None if none wanted)."""
+        """Run the batch; float32 logits [len(logits_indices), vocab], or None if none wanted."""
         self.backend.plan(batch.metadata())
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
@@ -100,6 +107,7 @@ def _make_backend(name: str, cache: KVCache) -> AttentionBackend:
         return TorchAttentionBackend(cache)
     if name == "flashinfer":
         from adaserve.exec.attention.flashinfer import FlashInferAttentionBackend  # type: ignore
+
         return FlashInferAttentionBackend(cache)
     raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {name!r}")
 
@@ -107,23 +115,27 @@ def _make_backend(name: str, cache: KVCache) -> AttentionBackend:
 def _has_flashinfer() -> bool:
     try:
         import adaserve.exec.attention.flashinfer  # type: ignore # noqa: F401
+
         return True
     except ImportError:
         return False
 
 
-def _build_runner(path: Path, model_cfg: ModelConfig, num_blocks: int | None,
-                  cache_cfg: CacheConfig) -> ModelRunner:
+def _build_runner(
+    path: Path, model_cfg: ModelConfig, num_blocks: int | None, cache_cfg: CacheConfig
+) -> ModelRunner:
     model = load_model(path, model_cfg.dtype, model_cfg.device)
     a = model.args
     dtype = next(model.parameters()).dtype
     device = torch.device(model_cfg.device)
     if num_blocks is None:
-        per_block = KVCache.bytes_per_block(a.num_layers, cache_cfg.block_size, a.num_kv_heads,
-                                            a.head_dim, dtype)
+        per_block = KVCache.bytes_per_block(
+            a.num_layers, cache_cfg.block_size, a.num_kv_heads, a.head_dim, dtype
+        )
         num_blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, device)
-    cache = KVCache(a.num_layers, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim,
-                    dtype, device)
+    cache = KVCache(
+        a.num_layers, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, dtype, device
+    )
     return ModelRunner(model, cache, _make_backend(model_cfg.attention_backend, cache))
 
 
@@ -139,6 +151,7 @@ class ExecutionEngine:
         if model_cfg.draft_model is not None or need_draft:
             if model_cfg.draft_model is None:
                 from adaserve.exec.default_model import default_draft_dir
+
                 self.draft_path = default_draft_dir(self.target_path)
             else:
                 self.draft_path = resolve_model_path(model_cfg.draft_model)
@@ -151,7 +164,8 @@ class ExecutionEngine:
             # No sliding-window attention here: stay within the window, where it is plain attention.
             limit = min(limit, args.sliding_window)
         if model_cfg.max_model_len is not None and model_cfg.max_model_len > limit:
-            raise ValueError(f"max_model_len {model_cfg.max_model_len} exceeds what the model "
-                             f"supports ({limit})")
+            raise ValueError(
+                f"max_model_len {model_cfg.max_model_len} exceeds what the model supports ({limit})"
+            )
         self.max_model_len = model_cfg.max_model_len or limit
         self.vocab_size = args.vocab_size

@@ -60,8 +60,16 @@ def blocks_for_memory(bytes_per_block: int, fraction: float, device: torch.devic
 class KVCache:
     """Per-layer K and V over `num_blocks * block_size` slots: k[layer] is [slots, Hkv, D]."""
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.block_size = block_size
         self.device = torch.device(device)
         shape = (num_layers, num_blocks * block_size, num_kv_heads, head_dim)
@@ -70,8 +78,9 @@ class KVCache:
         self.allocator = BlockAllocator(num_blocks)
 
     @staticmethod
-    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
+    def bytes_per_block(
+        num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * elem
 

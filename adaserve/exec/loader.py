@@ -33,9 +33,10 @@ def cache_root() -> Path:
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A checkpoint dir for `model`: None -> the default model; a .gguf file -> its converted dir."""
+    """A checkpoint dir for `model`: None -> default model; .gguf -> its converted dir."""
     if model is None:
         from adaserve.exec.default_model import default_model_dir
+
         return default_model_dir()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -43,22 +44,28 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"model path {str(path)!r} does not exist; give a local Hugging Face checkpoint dir "
-            "(config.json + *.safetensors) or a .gguf file (adaserve does not download from a hub)")
+            "(config.json + *.safetensors) or a .gguf file (adaserve does not download from a hub)"
+        )
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} is neither a checkpoint dir nor a .gguf file")
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir")
+        raise FileNotFoundError(
+            f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir"
+        )
     return path
 
 
 def load_args(path: Path) -> LlamaArgs:
     from transformers import AutoConfig
+
     with open(path / "config.json") as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
     if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported architecture {archs[0]!r} in {path}; adaserve runs "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        raise ValueError(
+            f"unsupported architecture {archs[0]!r} in {path}; adaserve runs "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
     return LlamaArgs.from_hf_config(AutoConfig.from_pretrained(path))
 
 
@@ -101,6 +108,7 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu") -> Llama
 
 def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(path)
 
 
@@ -108,27 +116,44 @@ def check_draft_compatible(target_path: Path, draft_path: Path) -> None:
     """The draft must share the target's vocabulary, or its tokens mean something else."""
     t_args, d_args = load_args(target_path), load_args(draft_path)
     if t_args.vocab_size != d_args.vocab_size:
-        raise ValueError(f"draft vocabulary size {d_args.vocab_size} differs from the target's "
-                         f"{t_args.vocab_size}; the draft must use the target's tokenizer")
-    has_tok = [any((p / n).exists() for n in ("tokenizer.json", "tokenizer.model"))
-               for p in (target_path, draft_path)]
-    if all(has_tok) and load_tokenizer(target_path).get_vocab() != load_tokenizer(draft_path).get_vocab():
-        raise ValueError(f"draft tokenizer at {draft_path} differs from the target's at {target_path}")
+        raise ValueError(
+            f"draft vocabulary size {d_args.vocab_size} differs from the target's "
+            f"{t_args.vocab_size}; the draft must use the target's tokenizer"
+        )
+    has_tok = [
+        any((p / n).exists() for n in ("tokenizer.json", "tokenizer.model"))
+        for p in (target_path, draft_path)
+    ]
+    if (
+        all(has_tok)
+        and load_tokenizer(target_path).get_vocab() != load_tokenizer(draft_path).get_vocab()
+    ):
+        raise ValueError(
+            f"draft tokenizer at {draft_path} differs from the target's at {target_path}"
+        )
 
 
 # ---------------------------------------------------------------------------- GGUF
 
 _GGUF_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
 
 
 def _gguf_hf_name(name: str) -> str:
-    top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
-           "output.weight": "lm_head.weight"}
+    top = {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight",
+    }
     if name in top:
         return top[name]
     blk, layer, part, kind = name.split(".")
@@ -140,7 +165,11 @@ def _gguf_hf_name(name: str) -> str:
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     # llama.cpp stores q/k rows of each head interleaved (pairs of rotary dims side by side);
     # HF rotates halves. Undo: rows (head, dim/2, 2) -> (head, 2, dim/2).
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .transpose(1, 2)
+        .reshape(w.shape)
+    )
 
 
 def read_gguf(file: Path) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -55,11 +55,20 @@ class OutputProcessor:
                     if visible.endswith(s[:k]):
                         visible = visible[:-k]
                         break
-        delta_text = visible[req.sent_text_len:] if len(visible) > req.sent_text_len else ""
+        delta_text = visible[req.sent_text_len :] if len(visible) > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, len(visible))
-        delta_tokens = req.output_token_ids[req.sent_token_len:]
+        delta_tokens = req.output_token_ids[req.sent_token_len :]
         req.sent_token_len = len(req.output_token_ids)
-        out = CompletionOutput(0, text if req.finished else visible, list(req.output_token_ids),
-                               req.finish_reason)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [out], req.finished,
-                             req.metrics, delta_text, delta_tokens)
+        out = CompletionOutput(
+            0, text if req.finished else visible, list(req.output_token_ids), req.finish_reason
+        )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [out],
+            req.finished,
+            req.metrics,
+            delta_text,
+            delta_tokens,
+        )

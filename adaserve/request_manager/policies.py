@@ -51,14 +51,21 @@ def spec_shape(cfg: SchedulerConfig, num_requests: int) -> SpecShape | None:
     if p == "sequence":
         return SpecShape(depth=cfg.gamma, width=1)
     if p == "specinfer":
-        return SpecShape(depth=len(cfg.specinfer_expansion), width=max(cfg.specinfer_expansion),
-                         expansion=cfg.specinfer_expansion)
+        return SpecShape(
+            depth=len(cfg.specinfer_expansion),
+            width=max(cfg.specinfer_expansion),
+            expansion=cfg.specinfer_expansion,
+        )
     d, w = tree_shape(cfg.budget, num_requests, cfg.max_depth, cfg.max_width)
     return SpecShape(depth=d, width=w)
 
 
-def select_nodes(cfg: SchedulerConfig, trees: Sequence[CandidateTree],
-                 a_cap: Sequence[float | None], a_order: Sequence[float | None]) -> list[list[int]]:
+def select_nodes(
+    cfg: SchedulerConfig,
+    trees: Sequence[CandidateTree],
+    a_cap: Sequence[float | None],
+    a_order: Sequence[float | None],
+) -> list[list[int]]:
     """The policy's selection: per request, sorted node indices including the root."""
     p = cfg.policy
     if p == "adaserve":

@@ -78,7 +78,9 @@ class RequestMetrics:
         if self.num_output_tokens < 2 or self.first_token_time is None:
             return None
         assert self.last_token_time is not None
-        return 1000.0 * (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        return (
+            1000.0 * (self.last_token_time - self.first_token_time) / (self.num_output_tokens - 1)
+        )
 
     @property
     def slo_attained(self) -> bool | None:
@@ -116,11 +118,17 @@ class RequestOutput:
 
 
 class Request:
-    """One generation request. The scheduler advances it; it owns its tokens, timing and KV tables."""
+    """One generation request. The scheduler advances it; it owns tokens, timing, KV tables."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 prompt: str | None = None, arrival_time: float | None = None,
-                 default_seed: int = 0) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        default_seed: int = 0,
+    ) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -128,14 +136,20 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
-        self.metrics = RequestMetrics(arrival_time if arrival_time is not None else time.monotonic(),
-                                      slo_tpot_ms=params.slo_tpot_ms)
+        self.metrics = RequestMetrics(
+            arrival_time if arrival_time is not None else time.monotonic(),
+            slo_tpot_ms=params.slo_tpot_ms,
+        )
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0
         self.draft_block_table: list[int] = []
         self.draft_num_cached = 0
-        seed = params.seed if params.seed is not None else hash((default_seed, request_id)) & 0x7FFFFFFF
+        seed = (
+            params.seed
+            if params.seed is not None
+            else hash((default_seed, request_id)) & 0x7FFFFFFF
+        )
         self.generator = torch.Generator().manual_seed(seed)
         # Output text cut before a matched stop string (None: no stop string matched).
         self.stop_text: str | None = None

@@ -64,13 +64,17 @@ class Scheduler:
         if len(req.prompt_token_ids) == 0:
             raise ValueError("prompt must contain at least one token")
         if len(req.prompt_token_ids) >= limit:
-            raise ValueError(f"prompt has {len(req.prompt_token_ids)} tokens; the model allows at "
-                             f"most {limit - 1} prompt tokens (max_model_len {limit}, one is "
-                             "needed for output)")
+            raise ValueError(
+                f"prompt has {len(req.prompt_token_ids)} tokens; the model allows at "
+                f"most {limit - 1} prompt tokens (max_model_len {limit}, one is "
+                "needed for output)"
+            )
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.engine.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:3]} are outside the vocabulary "
-                             f"[0, {self.engine.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:3]} are outside the vocabulary "
+                f"[0, {self.engine.vocab_size})"
+            )
         self.waiting.append(req)
 
     def abort(self, request_id: str) -> Request | None:
@@ -137,7 +141,10 @@ class Scheduler:
 
     def _draft_fits(self, req: Request, n: int) -> bool:
         d = self.engine.draft
-        return d is None or d.cache.blocks_needed(req.draft_block_table, n) <= d.cache.allocator.num_free
+        return (
+            d is None
+            or d.cache.blocks_needed(req.draft_block_table, n) <= d.cache.allocator.num_free
+        )
 
     def _prefill(self, reqs: list[Request]) -> list[Request]:
         start = time.monotonic()
@@ -149,13 +156,23 @@ class Scheduler:
             # root, so it is not fed here and nothing is sampled.
             resumed = bool(r.output_token_ids)
             tokens = r.all_token_ids[: r.num_tokens - 1] if resumed else r.all_token_ids
-            idx = target.add(tokens, list(range(len(tokens))), len(tokens), r.block_table,
-                             logits="none" if resumed else "last")
+            idx = target.add(
+                tokens,
+                list(range(len(tokens))),
+                len(tokens),
+                r.block_table,
+                logits="none" if resumed else "last",
+            )
             rows.append(idx[0] if idx else None)
             r.num_cached = len(tokens)
             if self.engine.draft is not None:
-                draft.add(tokens, list(range(len(tokens))), len(tokens), r.draft_block_table,
-                          logits="none")
+                draft.add(
+                    tokens,
+                    list(range(len(tokens))),
+                    len(tokens),
+                    r.draft_block_table,
+                    logits="none",
+                )
                 r.draft_num_cached = len(tokens)
         logits = self.engine.target.forward(target.batch)
         if self.engine.draft is not None:
@@ -164,12 +181,24 @@ class Scheduler:
         for r, row in zip(reqs, rows):
             if row is not None:
                 assert logits is not None
-                _, token = verify(logits[row:row + 1], [r.last_token], [-1], r.params.temperature,
-                                  r.params.top_k, r.params.top_p, r.generator)
+                _, token = verify(
+                    logits[row : row + 1],
+                    [r.last_token],
+                    [-1],
+                    r.params.temperature,
+                    r.params.top_k,
+                    r.params.top_p,
+                    r.generator,
+                )
                 self.output.commit(r, [token], now)
         self.running.extend(reqs)
-        self.last_stats = IterationStats("prefill", len(reqs), len(target.batch.token_ids),
-                                         emitted_tokens=len(reqs), total_s=now - start)
+        self.last_stats = IterationStats(
+            "prefill",
+            len(reqs),
+            len(target.batch.token_ids),
+            emitted_tokens=len(reqs),
+            total_s=now - start,
+        )
         return reqs
 
     def _decode(self) -> list[Request]:
@@ -203,20 +232,31 @@ class Scheduler:
 
     def _cap_depth(self, req: Request, tree: CandidateTree) -> CandidateTree:
         """Drop nodes deeper than the request can still use (max_tokens, max_model_len)."""
-        room = min(req.params.max_tokens - len(req.output_token_ids),
-                   self.engine.max_model_len - req.num_tokens) - 1
+        room = (
+            min(
+                req.params.max_tokens - len(req.output_token_ids),
+                self.engine.max_model_len - req.num_tokens,
+            )
+            - 1
+        )
         if max(tree.depths) <= room:
             return tree
         keep = [v for v in range(len(tree)) if tree.depths[v] <= room]
         capped = CandidateTree.root(tree.tokens[0])
         new_id = {0: 0}
         for v in keep[1:]:
-            (new_id[v],) = capped.add_nodes([new_id[tree.parents[v]]], [tree.tokens[v]],
-                                            [tree.logprobs[v]])
+            (new_id[v],) = capped.add_nodes(
+                [new_id[tree.parents[v]]], [tree.tokens[v]], [tree.logprobs[v]]
+            )
         return capped
 
-    def _verify_and_commit(self, reqs: list[Request], trees: list[CandidateTree],
-                           selections: list[list[int]], stats: IterationStats) -> None:
+    def _verify_and_commit(
+        self,
+        reqs: list[Request],
+        trees: list[CandidateTree],
+        selections: list[list[int]],
+        stats: IterationStats,
+    ) -> None:
         cache = self.engine.target.cache
         builder = SequenceBatchBuilder()
         vtrees, rows = [], []
@@ -225,8 +265,15 @@ class Scheduler:
             n = len(vt.tokens)
             cache.reserve(r.block_table, r.num_cached + n)
             mask = None if n == 1 else tree_attention_mask(vt.parents, r.num_cached)
-            rows.append(builder.add(vt.tokens, [r.num_cached + d for d in vt.depths],
-                                    r.num_cached + n, r.block_table, mask=mask))
+            rows.append(
+                builder.add(
+                    vt.tokens,
+                    [r.num_cached + d for d in vt.depths],
+                    r.num_cached + n,
+                    r.block_table,
+                    mask=mask,
+                )
+            )
             vtrees.append(vt)
         logits = self.engine.target.forward(builder.batch)
         assert logits is not None
@@ -234,8 +281,15 @@ class Scheduler:
         stats.num_tokens = len(builder.batch.token_ids)
         for r, vt, row in zip(reqs, vtrees, rows):
             p = r.params
-            accepted, bonus = verify(logits[row[0]:row[-1] + 1], vt.tokens, vt.parents,
-                                     p.temperature, p.top_k, p.top_p, r.generator)
+            accepted, bonus = verify(
+                logits[row[0] : row[-1] + 1],
+                vt.tokens,
+                vt.parents,
+                p.temperature,
+                p.top_k,
+                p.top_p,
+                r.generator,
+            )
             keep = [0] + accepted
             cache.keep_subset(r.block_table, r.num_cached, keep)
             r.num_cached += len(keep)
@@ -254,16 +308,27 @@ class Scheduler:
         tree_nodes = 1 if shape is None else shape.max_nodes
         scratch = 0 if shape is None else draft_scratch_tokens(shape)
         while self.running:
-            t_need = sum(t_cache.blocks_needed(r.block_table, r.num_cached + tree_nodes)
-                         for r in self.running)
-            d_need = 0 if d is None else sum(
-                d.cache.blocks_needed(r.draft_block_table, r.num_tokens + scratch) for r in self.running)
-            if t_need <= t_cache.allocator.num_free and (d is None or d_need <= d.cache.allocator.num_free):
+            t_need = sum(
+                t_cache.blocks_needed(r.block_table, r.num_cached + tree_nodes)
+                for r in self.running
+            )
+            d_need = (
+                0
+                if d is None
+                else sum(
+                    d.cache.blocks_needed(r.draft_block_table, r.num_tokens + scratch)
+                    for r in self.running
+                )
+            )
+            if t_need <= t_cache.allocator.num_free and (
+                d is None or d_need <= d.cache.allocator.num_free
+            ):
                 return
             victim = self.running.pop()
             self._free(victim)
             victim.status = RequestStatus.WAITING
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
-        raise RuntimeError("KV cache too small to run even one request; raise num_blocks "
-                           "or memory_fraction")
+        raise RuntimeError(
+            "KV cache too small to run even one request; raise num_blocks or memory_fraction"
+        )

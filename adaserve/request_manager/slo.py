@@ -23,8 +23,9 @@ class TSpecEstimator:
         self.num_samples += 1
 
 
-def slo_requirements(requests: Sequence[Request], now: float, t_spec_s: float,
-                     depth: int) -> tuple[list[float | None], list[float | None]]:
+def slo_requirements(
+    requests: Sequence[Request], now: float, t_spec_s: float, depth: int
+) -> tuple[list[float | None], list[float | None]]:
     """(A_cap(r), A(r)) per request; None for requests without an SLO.
 
     A(r) = (l_r + t_spec) / tpot_r - o_r, with l_r the time since r's first output token and

@@ -23,7 +23,9 @@ def draft_scratch_tokens(shape: SpecShape) -> int:
     return sum(shape.frontier_sizes()[:-1])
 
 
-def speculate(draft: ModelRunner, requests: Sequence[Request], shape: SpecShape) -> list[CandidateTree]:
+def speculate(
+    draft: ModelRunner, requests: Sequence[Request], shape: SpecShape
+) -> list[CandidateTree]:
     """Run the draft for `shape.depth` steps; returns one candidate tree per request.
 
     The caller has reserved draft KV for L + draft_scratch_tokens(shape) entries per request;
@@ -34,8 +36,13 @@ def speculate(draft: ModelRunner, requests: Sequence[Request], shape: SpecShape)
     builder = SequenceBatchBuilder()
     for r in requests:
         n = r.num_tokens
-        builder.add(r.all_token_ids[r.draft_num_cached:], list(range(r.draft_num_cached, n)), n,
-                    r.draft_block_table, logits="last")
+        builder.add(
+            r.all_token_ids[r.draft_num_cached :],
+            list(range(r.draft_num_cached, n)),
+            n,
+            r.draft_block_table,
+            logits="last",
+        )
         r.draft_num_cached = n
     logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V]
     frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, step=0)
@@ -47,10 +54,13 @@ def speculate(draft: ModelRunner, requests: Sequence[Request], shape: SpecShape)
             for j, node in enumerate(frontier[i]):
                 scratch[i][node] = base + j
             kv_len = base + len(frontier[i])
-            builder.add([trees[i].tokens[v] for v in frontier[i]],
-                        [r.num_tokens - 1 + trees[i].depths[v] for v in frontier[i]], kv_len,
-                        r.draft_block_table, mask=_draft_mask(trees[i], frontier[i], scratch[i],
-                                                              r.num_tokens, kv_len))
+            builder.add(
+                [trees[i].tokens[v] for v in frontier[i]],
+                [r.num_tokens - 1 + trees[i].depths[v] for v in frontier[i]],
+                kv_len,
+                r.draft_block_table,
+                mask=_draft_mask(trees[i], frontier[i], scratch[i], r.num_tokens, kv_len),
+            )
         width = len(frontier[0])
         logits = draft.forward(builder.batch)  # [R * width, V]
         logprobs = torch.log_softmax(logits, dim=-1).view(len(requests), width, -1)
@@ -60,12 +70,19 @@ def speculate(draft: ModelRunner, requests: Sequence[Request], shape: SpecShape)
     return trees
 
 
-def _grow(trees: list[CandidateTree], frontier: list[list[int]], logprobs: torch.Tensor,
-          shape: SpecShape, step: int) -> list[list[int]]:
+def _grow(
+    trees: list[CandidateTree],
+    frontier: list[list[int]],
+    logprobs: torch.Tensor,
+    shape: SpecShape,
+    step: int,
+) -> list[list[int]]:
     """Add the next level to every tree; logprobs [R, F, V] for the F frontier nodes of each."""
     new_frontier = []
     if shape.expansion is None:
-        path = torch.tensor([[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)])
+        path = torch.tensor(
+            [[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)]
+        )
         parent, token, tok_lp, _ = beam_search_step(path, logprobs, shape.width)
         for i, tree in enumerate(trees):
             parents = [frontier[i][p] for p in parent[i].tolist()]
@@ -81,8 +98,9 @@ def _grow(trees: list[CandidateTree], frontier: list[list[int]], logprobs: torch
     return new_frontier
 
 
-def _draft_mask(tree: CandidateTree, frontier: list[int], scratch: dict[int, int],
-                num_tokens: int, kv_len: int) -> torch.Tensor:
+def _draft_mask(
+    tree: CandidateTree, frontier: list[int], scratch: dict[int, int], num_tokens: int, kv_len: int
+) -> torch.Tensor:
     """[F, kv_len] bool: committed context plus each fed node's own scratch ancestors and itself."""
     mask = torch.zeros(len(frontier), kv_len, dtype=torch.bool)
     mask[:, :num_tokens] = True

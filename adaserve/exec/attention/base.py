@@ -48,7 +48,9 @@ class AttentionBackend(ABC):
         """Prepare index/mask tensors for the next forward (called once per forward)."""
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         """Write k/v [T, Hkv, D] to the cache, attend q [T, Hq, D]; returns [T, Hq, D]."""
 
     # CUDA-graph hooks. Backends that support capture override these.

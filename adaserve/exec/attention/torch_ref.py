@@ -22,15 +22,17 @@ class TorchAttentionBackend(AttentionBackend):
         mask = torch.zeros(n, max_q, max_kv, dtype=torch.bool)
         q_rows, q_cols, write_slots = [], [], []
         for s, (q_len, kv_len, table, m) in enumerate(
-                zip(meta.query_lens, meta.kv_lens, meta.block_tables, meta.masks)):
+            zip(meta.query_lens, meta.kv_lens, meta.block_tables, meta.masks)
+        ):
             slots = self.cache.slots(table, 0, kv_len)  # [kv_len]
             kv_slots[s, :kv_len] = slots
-            write_slots.append(slots[kv_len - q_len:])
+            write_slots.append(slots[kv_len - q_len :])
             if m is None:
                 # causal: new token i sees KV indices < kv_len - q_len + i + 1
                 ctx = kv_len - q_len
-                mask[s, :q_len, :kv_len] = (torch.arange(kv_len)[None, :]
-                                            <= ctx + torch.arange(q_len)[:, None])
+                mask[s, :q_len, :kv_len] = (
+                    torch.arange(kv_len)[None, :] <= ctx + torch.arange(q_len)[:, None]
+                )
             else:
                 mask[s, :q_len, :kv_len] = m
             mask[s, q_len:, 0] = True  # padded query rows: any valid column avoids NaN; discarded
@@ -43,7 +45,9 @@ class TorchAttentionBackend(AttentionBackend):
         self._write_slots = torch.cat(write_slots).to(dev)  # [T]
         self._shape = (n, max_q)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
         k_cache[self._write_slots] = k
         v_cache[self._write_slots] = v
@@ -53,6 +57,10 @@ class TorchAttentionBackend(AttentionBackend):
         kp = k_cache[self._kv_slots]  # [n, max_kv, Hkv, D]
         vp = v_cache[self._kv_slots]
         out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-            attn_mask=self._mask, enable_gqa=True)  # [n, Hq, max_q, D]
+            qp.transpose(1, 2),
+            kp.transpose(1, 2),
+            vp.transpose(1, 2),
+            attn_mask=self._mask,
+            enable_gqa=True,
+        )  # [n, Hq, max_q, D]
         return out.transpose(1, 2)[self._rows, self._cols]

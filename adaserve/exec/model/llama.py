@@ -48,12 +48,17 @@ class LlamaArgs:
         arch = archs[0] if archs else _arch_from_model_type(getattr(config, "model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
-                f"unsupported architecture {arch!r}; adaserve runs {', '.join(SUPPORTED_ARCHITECTURES)}")
-        # transformers >= 5 keeps rope settings in `rope_parameters`; older ones in rope_theta/rope_scaling.
+                f"unsupported architecture {arch!r}; adaserve runs "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        # transformers >= 5 keeps rope in `rope_parameters`; older: rope_theta/rope_scaling.
         rope = dict(getattr(config, "rope_parameters", None) or {})
         scaling = getattr(config, "rope_scaling", None) or rope or None
         theta = rope.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
-        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (
+            None,
+            "default",
+        ):
             scaling = None
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -81,8 +86,11 @@ class LlamaArgs:
 
 
 def _arch_from_model_type(model_type: str) -> str:
-    return {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM"}.get(model_type, model_type or "<none>")
+    return {
+        "llama": "LlamaForCausalLM",
+        "mistral": "MistralForCausalLM",
+        "qwen2": "Qwen2ForCausalLM",
+    }.get(model_type, model_type or "<none>")
 
 
 def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
@@ -97,7 +105,9 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     if kind == "linear":
         return (inv_freq / factor).float()
     if kind != "llama3":
-        raise ValueError(f"unsupported rope_scaling type {kind!r}; adaserve handles linear and llama3")
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; adaserve handles linear and llama3"
+        )
     # llama3: long wavelengths (> old_ctx/low) are slowed by `factor`, short ones (< old_ctx/high)
     # kept, and the band between interpolates smoothly in 1/wavelength.
     low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
@@ -135,14 +145,21 @@ class Attention(nn.Module):
     def __init__(self, args: LlamaArgs, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            args.num_heads,
+            args.num_kv_heads,
+            args.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.qkv_proj = nn.Linear(
+            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
+        )
         self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
@@ -172,8 +189,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -187,12 +205,16 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.lm_head = None if args.tie_word_embeddings else nn.Linear(
-            args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if args.tie_word_embeddings
+            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        )
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionBackend) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden [T, hidden_size]."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2]
         cos, sin = freqs.cos(), freqs.sin()
@@ -209,8 +231,13 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up; raise if anything is missing."""
         params = dict(self.named_parameters())
-        stacked = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-                   "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+        stacked = {
+            "q_proj": ("qkv_proj", 0),
+            "k_proj": ("qkv_proj", 1),
+            "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0),
+            "up_proj": ("gate_up_proj", 1),
+        }
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -236,11 +263,15 @@ class LlamaForCausalLM(nn.Module):
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, kind: str, shard: int) -> None:
         a = self.args
         if kind == "qkv_proj":
-            sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+            sizes = [
+                a.num_heads * a.head_dim,
+                a.num_kv_heads * a.head_dim,
+                a.num_kv_heads * a.head_dim,
+            ]
         else:
             sizes = [a.intermediate_size, a.intermediate_size]
         start = sum(sizes[:shard])
-        _copy_checked(param.data[start:start + sizes[shard]], tensor, f"{kind}[{shard}]")
+        _copy_checked(param.data[start : start + sizes[shard]], tensor, f"{kind}[{shard}]")
 
     def _expected_keys(self) -> list[str]:
         keys = []
@@ -256,6 +287,8 @@ class LlamaForCausalLM(nn.Module):
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
-        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, model expects {tuple(dst.shape)}")
+        raise ValueError(
+            f"tensor {name!r} has shape {tuple(src.shape)}, model expects {tuple(dst.shape)}"
+        )
     with torch.no_grad():
         dst.copy_(src.to(dst.dtype))
