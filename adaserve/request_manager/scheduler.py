@@ -213,6 +213,9 @@ class Scheduler:
         else:
             assert self.engine.draft is not None
             stats.depth, stats.width = shape.depth, shape.width
+            scratch = draft_scratch_tokens(shape)
+            for r in reqs:  # _make_room checked these fit; speculate() frees the scratch again
+                self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
             trees = speculate(self.engine.draft, reqs, shape)
             t_draft = time.monotonic()
             stats.draft_s = t_draft - start

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +15,7 @@ from adaserve.tree import (
     verify_greedy,
     verify_sampling,
 )
+from tests.stats import chi_square
 
 from .helpers import TableModel, candidate_trees, node_paths
 
@@ -118,12 +116,6 @@ def _draft_tree(draft: TableModel) -> CandidateTree:
     return tree
 
 
-def _chi2_critical_999(df: int) -> float:
-    """0.999 quantile of chi-square(df), Wilson-Hilferty: df (1 - 2/(9 df) + z sqrt(2/(9 df)))^3."""
-    z = 3.0902  # standard normal 0.999 quantile
-    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
-
-
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.8, 4, 0.9)])
 def test_verify_sampling_is_lossless(temperature: float, top_k: int, top_p: float) -> None:
     num_samples, num_tokens = 20000, 3
@@ -159,21 +151,8 @@ def test_verify_sampling_is_lossless(temperature: float, top_k: int, top_p: floa
     }
     impossible = [k for k, p in expected.items() if p == 0.0 and counts.get(k, 0)]
     assert not impossible, f"emitted sequences the target cannot produce: {impossible[:5]}"
-    # chi-square over cells with expected count >= 5; the small ones pooled into one cell
-    observed_cells, expected_cells, pool_o, pool_e = [], [], 0, 0.0
-    for key, p in expected.items():
-        if p * num_samples >= 5:
-            observed_cells.append(counts.get(key, 0))
-            expected_cells.append(p * num_samples)
-        elif p > 0:
-            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + p * num_samples
-    if pool_e > 0:
-        observed_cells.append(pool_o)
-        expected_cells.append(pool_e)
-    o, e = np.array(observed_cells), np.array(expected_cells)
-    stat = float(((o - e) ** 2 / e).sum())
-    critical = _chi2_critical_999(len(o) - 1)
+    stat, critical, df = chi_square(counts, expected, num_samples)
     assert stat < critical, (
         f"emitted token distribution differs from the target: chi2 = {stat:.1f} >= {critical:.1f} "
-        f"(df = {len(o) - 1}, p = 0.001)"
+        f"(df = {df}, p = 0.001)"
     )

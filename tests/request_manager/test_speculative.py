@@ -1,0 +1,181 @@
+"""Speculative policies end to end: lossless output, the budget respected, no KV leaked."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from adaserve import LLMEngine, SamplingParams
+from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
+from tests.conftest import make_tiny_checkpoint
+from tests.stats import chi_square
+
+BUDGETED = ("adaserve", "global_greedy", "equal_greedy")
+
+
+def make_engine(target, draft, policy: str, num_blocks: int = 128, **sched) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(model=str(target), draft_model=None if draft is None else str(draft)),
+        CacheConfig(block_size=4, num_blocks=num_blocks),
+        SchedulerConfig(policy=policy, **sched),
+    )
+
+
+def run(engine: LLMEngine, prompts, params) -> tuple[list[list[int]], list]:
+    """Generate, checking each iteration's budget; returns (token ids per prompt, stats)."""
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    done, stats = {}, []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        s = engine.last_stats
+        stats.append(s)
+        if (
+            s.kind == "decode"
+            and engine.sched_cfg.policy in BUDGETED
+            and s.num_requests <= engine.sched_cfg.budget
+        ):
+            assert s.num_tokens <= engine.sched_cfg.budget, (
+                f"verified {s.num_tokens} tokens with budget {engine.sched_cfg.budget}"
+            )
+    return [done[i] for i in ids], stats
+
+
+def assert_no_blocks_held(engine: LLMEngine) -> None:
+    for name, runner in (("target", engine.engine.target), ("draft", engine.engine.draft)):
+        if runner is not None:
+            used = runner.cache.allocator.num_used
+            assert used == 0, f"{used} {name} KV blocks leaked"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pair")
+    target = make_tiny_checkpoint(d / "target", seed=0)
+    return {
+        "target": target,
+        "copy": target,
+        "random": make_tiny_checkpoint(d / "draft", seed=1, num_layers=1),
+    }
+
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11] * 20, [12, 13, 14], [40, 41, 42, 43, 44], [3]]
+SLOS = [5.0, 50.0, None, 500.0, 5.0, None]
+
+
+@pytest.mark.parametrize("draft_kind", ["copy", "random"])
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "incremental"])
+def test_greedy_output_equals_incremental(pair, policy, draft_kind):
+    params = [
+        SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, slo_tpot_ms=s) for s in SLOS
+    ]
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), PROMPTS, params)
+    engine = make_engine(pair["target"], pair[draft_kind], policy)
+    got, stats = run(engine, PROMPTS, params)
+    for i, (g, r) in enumerate(zip(got, ref)):
+        assert g == r, f"{policy} with a {draft_kind} draft: prompt {i} differs from incremental"
+    decode = [s for s in stats if s.kind == "decode"]
+    accepted = sum(s.accepted_tokens for s in decode)
+    if draft_kind == "copy":
+        # A draft identical to the target must get many tokens accepted, or the test proves little.
+        assert accepted / sum(s.num_requests for s in decode) > 0.5, (
+            "draft = target, yet few accepts"
+        )
+    assert_no_blocks_held(engine)
+
+
+def test_default_target_with_a_four_layer_draft_is_lossless(default_model_dir, tmp_path):
+    from adaserve.exec.default_model import make_layer_draft
+
+    draft = make_layer_draft(default_model_dir, 4, tmp_path / "draft4")
+    prompts = ["The capital of France is", "def add(a, b):", "List three fruits:"]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, slo_tpot_ms=s)
+        for s in (30.0, 300.0, None)
+    ]
+    ref, _ = run(
+        make_engine(default_model_dir, None, "incremental", num_blocks=256), prompts, params
+    )
+    for policy in ("adaserve", "sequence", "specinfer"):
+        engine = make_engine(default_model_dir, draft, policy, num_blocks=256)
+        got, _ = run(engine, prompts, params)
+        assert got == ref, f"{policy} on the default model differs from incremental greedy"
+        assert_no_blocks_held(engine)
+
+
+def test_sampling_under_adaserve_has_the_target_distribution(tmp_path):
+    vocab, n = 6, 20000
+    target = make_tiny_checkpoint(tmp_path / "t", vocab_size=vocab, seed=3)
+    draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, seed=4, num_layers=1)
+    prompt = [2, 3, 4]
+    engine = make_engine(target, draft, "adaserve", num_blocks=2048, max_num_seqs=256, budget=512)
+    params = [
+        SamplingParams(
+            max_tokens=3,
+            temperature=1.0,
+            ignore_eos=True,
+            seed=i,
+            slo_tpot_ms=random.Random(i).choice([1.0, 20.0, None]),
+        )
+        for i in range(n)
+    ]
+    outs, stats = run(engine, [prompt] * n, params)
+    accepted = sum(s.accepted_tokens for s in stats)
+    assert accepted > n // 4, f"only {accepted} draft tokens accepted: speculation barely exercised"
+    counts = Counter(tuple(o) for o in outs)
+    # Exact target joint P(x1 x2 x3) = q(x1) q(x2 | x1) q(x3 | x1 x2) from transformers' logits.
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    with torch.no_grad():
+        q1 = hf(torch.tensor([prompt])).logits[0, -1].softmax(-1)
+        pairs = torch.tensor([prompt + [a, b] for a in range(vocab) for b in range(vocab)])
+        logits = hf(pairs).logits  # [V*V, len+2, V]
+    q2 = logits[::vocab, -2].softmax(-1)  # [V, V]: q(x2 | x1)
+    q3 = logits[:, -1].softmax(-1).view(vocab, vocab, vocab)  # q(x3 | x1 x2)
+    probs = {
+        (a, b, c): float(q1[a] * q2[a, b] * q3[a, b, c])
+        for a in range(vocab)
+        for b in range(vocab)
+        for c in range(vocab)
+    }
+    stat, critical, df = chi_square(counts, probs, n)
+    assert stat < critical, (
+        f"adaserve sampling is not the target's: chi2 {stat:.1f} >= {critical:.1f} "
+        f"(df {df}, p = 0.001)"
+    )
+    assert_no_blocks_held(engine)
+
+
+def test_no_kv_leak_after_thousands_of_speculative_iterations(pair):
+    rng = random.Random(7)
+    # Few blocks: requests get preempted and recomputed; some are aborted mid-flight.
+    engine = make_engine(pair["target"], pair["random"], "adaserve", num_blocks=96, max_num_seqs=12)
+    pending = [
+        (
+            [rng.randrange(2, 96) for _ in range(rng.randint(1, 30))],
+            SamplingParams(
+                max_tokens=rng.randint(1, 60),
+                temperature=rng.choice([0.0, 1.0]),
+                seed=i,
+                ignore_eos=True,
+                slo_tpot_ms=rng.choice([1.0, 50.0, None]),
+            ),
+        )
+        for i in range(400)
+    ]
+    iterations = 0
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                engine.add_request(*pending.pop())
+        engine.step()
+        iterations += engine.last_stats is not None and engine.last_stats.kind == "decode"
+        if rng.random() < 0.05 and engine.scheduler.running:
+            engine.abort(rng.choice(engine.scheduler.running).request_id)
+    assert iterations >= 1000, f"only {iterations} speculative iterations ran"
+    assert engine.scheduler.num_preemptions > 0, "KV pressure did not cause any preemption"
+    assert_no_blocks_held(engine)
