@@ -1,0 +1,98 @@
+"""Policy vs policy on one machine and model: tokens/s, accepted tokens per iteration, time split.
+
+    python -m adaserve.bench.policies [--concurrency 1 4 16] [--max-tokens 32]
+
+Every policy gets the same prompts, greedy, in the same run; requests carry mixed TPOT SLOs
+(--slos, ms; 0 = none). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import dataclass
+
+from adaserve import LLMEngine, SamplingParams
+from adaserve.bench.prompts import prompts
+from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+
+# (label, SchedulerConfig overrides)
+CONFIGS = [
+    ("incremental", {"policy": "incremental"}),
+    ("sequence γ=2", {"policy": "sequence", "gamma": 2}),
+    ("sequence γ=4", {"policy": "sequence", "gamma": 4}),
+    ("specinfer", {"policy": "specinfer"}),
+    ("global_greedy", {"policy": "global_greedy"}),
+    ("adaserve", {"policy": "adaserve"}),
+]
+
+
+@dataclass
+class Result:
+    tokens_per_s: float
+    accepted_per_iter: float  # mean accepted draft tokens per request per iteration
+    iter_ms: float
+    draft_ms: float
+    select_ms: float
+    verify_ms: float
+    slo_attained: float
+
+
+def run(engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float | None]) -> Result:
+    for i, p in enumerate(batch):
+        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                             slo_tpot_ms=slos[i % len(slos)]))
+    start = time.perf_counter()
+    tokens, decode, finished = 0, [], []
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += len(out.delta_token_ids)
+            if out.finished:
+                finished.append(out.metrics)
+        if engine.last_stats.kind == "decode":
+            decode.append(engine.last_stats)
+    elapsed = time.perf_counter() - start
+    n = max(1, len(decode))
+    req_iters = max(1, sum(s.num_requests for s in decode))
+    with_slo = [m for m in finished if m.slo_attained is not None]
+    return Result(tokens / elapsed, sum(s.accepted_tokens for s in decode) / req_iters,
+                  1000 * sum(s.total_s for s in decode) / n, 1000 * sum(s.draft_s for s in decode) / n,
+                  1000 * sum(s.select_s for s in decode) / n, 1000 * sum(s.verify_s for s in decode) / n,
+                  sum(m.slo_attained for m in with_slo) / max(1, len(with_slo)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--draft-model", default=None, help="default: the default model's draft")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
+    ap.add_argument("--slos", type=float, nargs="+", default=[150.0, 400.0, 0.0])
+    ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
+    args = ap.parse_args()
+    slos = [s or None for s in args.slos]
+    print(f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms\n")
+    print("| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
+          "| select ms | verify ms | SLO attained |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    base: dict[int, float] = {}
+    for label, overrides in CONFIGS:
+        if args.policies and label not in args.policies and overrides["policy"] not in args.policies:
+            continue
+        engine = LLMEngine(ModelConfig(model=args.model, draft_model=args.draft_model),
+                           CacheConfig(), SchedulerConfig(budget=args.budget,
+                                                          max_num_seqs=max(args.concurrency),
+                                                          **overrides))
+        run(engine, prompts(2), 4, slos)  # warm-up
+        for c in args.concurrency:
+            r = run(engine, prompts(c), args.max_tokens, slos)
+            base.setdefault(c, r.tokens_per_s)
+            print(f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base[c]:.2f}x "
+                  f"| {r.accepted_per_iter:.2f} | {r.iter_ms:.0f} | {r.draft_ms:.0f} "
+                  f"| {r.select_ms:.1f} | {r.verify_ms:.0f} | {100 * r.slo_attained:.0f}% |",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
