@@ -40,8 +40,15 @@ class Result:
 
 def run(engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float | None]) -> Result:
     for i, p in enumerate(batch):
-        engine.add_request(p, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                             slo_tpot_ms=slos[i % len(slos)]))
+        engine.add_request(
+            p,
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                slo_tpot_ms=slos[i % len(slos)],
+            ),
+        )
     start = time.perf_counter()
     tokens, decode, finished = 0, [], []
     while engine.has_unfinished():
@@ -55,10 +62,15 @@ def run(engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float |
     n = max(1, len(decode))
     req_iters = max(1, sum(s.num_requests for s in decode))
     with_slo = [m for m in finished if m.slo_attained is not None]
-    return Result(tokens / elapsed, sum(s.accepted_tokens for s in decode) / req_iters,
-                  1000 * sum(s.total_s for s in decode) / n, 1000 * sum(s.draft_s for s in decode) / n,
-                  1000 * sum(s.select_s for s in decode) / n, 1000 * sum(s.verify_s for s in decode) / n,
-                  sum(m.slo_attained for m in with_slo) / max(1, len(with_slo)))
+    return Result(
+        tokens / elapsed,
+        sum(s.accepted_tokens for s in decode) / req_iters,
+        1000 * sum(s.total_s for s in decode) / n,
+        1000 * sum(s.draft_s for s in decode) / n,
+        1000 * sum(s.select_s for s in decode) / n,
+        1000 * sum(s.verify_s for s in decode) / n,
+        sum(m.slo_attained for m in with_slo) / max(1, len(with_slo)),
+    )
 
 
 def main() -> None:
@@ -73,25 +85,34 @@ def main() -> None:
     args = ap.parse_args()
     slos = [s or None for s in args.slos]
     print(f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms\n")
-    print("| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
-          "| select ms | verify ms | SLO attained |")
+    print(
+        "| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
+        "| select ms | verify ms | SLO attained |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     base: dict[int, float] = {}
     for label, overrides in CONFIGS:
-        if args.policies and label not in args.policies and overrides["policy"] not in args.policies:
+        if (
+            args.policies
+            and label not in args.policies
+            and overrides["policy"] not in args.policies
+        ):
             continue
-        engine = LLMEngine(ModelConfig(model=args.model, draft_model=args.draft_model),
-                           CacheConfig(), SchedulerConfig(budget=args.budget,
-                                                          max_num_seqs=max(args.concurrency),
-                                                          **overrides))
+        engine = LLMEngine(
+            ModelConfig(model=args.model, draft_model=args.draft_model),
+            CacheConfig(),
+            SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
+        )
         run(engine, prompts(2), 4, slos)  # warm-up
         for c in args.concurrency:
             r = run(engine, prompts(c), args.max_tokens, slos)
             base.setdefault(c, r.tokens_per_s)
-            print(f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base[c]:.2f}x "
-                  f"| {r.accepted_per_iter:.2f} | {r.iter_ms:.0f} | {r.draft_ms:.0f} "
-                  f"| {r.select_ms:.1f} | {r.verify_ms:.0f} | {100 * r.slo_attained:.0f}% |",
-                  flush=True)
+            print(
+                f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base[c]:.2f}x "
+                f"| {r.accepted_per_iter:.2f} | {r.iter_ms:.0f} | {r.draft_ms:.0f} "
+                f"| {r.select_ms:.1f} | {r.verify_ms:.0f} | {100 * r.slo_attained:.0f}% |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
