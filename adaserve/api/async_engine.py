@@ -1,0 +1,353 @@
+"""The engine loop in its own thread, talking to asyncio through queues.
+
+`LLMEngine` is single-threaded, so one thread owns it and everything that touches it
+(tokenizer included: the detokenizer runs in `step()`). HTTP handlers send commands (add,
+abort, stop) through a thread-safe queue; the engine thread drains them between iterations,
+so requests from all connections batch together, and posts each request's results back to
+the event loop with `call_soon_threadsafe`, one callback per iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, replace
+
+from adaserve.api.metrics import FinishedRequest, ServerMetrics
+from adaserve.llm import LLMEngine
+from adaserve.request_manager.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger("adaserve.api")
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The engine queued the request."""
+
+    prompt_token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """The engine refused the request (the client's fault: a 400); `message` says why."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    """The engine raised while running the request (the server's fault: a 500)."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of a request; `summary` is set on the last one."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    # Set on the last Delta only: the whole output and what the request measured.
+    full_text: str = ""
+    full_token_ids: tuple[int, ...] = ()
+    summary: FinishedRequest | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+StreamItem = Accepted | Rejected | EngineFailed | Delta
+ENGINE_STOPPED = "the engine has stopped (server shutting down)"
+
+
+class RequestStream:
+    """The event-loop side of one request: an asyncio queue the engine thread fills."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.loop = loop
+        self.queue: asyncio.Queue[StreamItem] = asyncio.Queue()
+        self.started = False  # produced a token or ended: no longer counts as waiting
+        self.done = False
+
+    async def get(self) -> StreamItem:
+        return await self.queue.get()
+
+
+@dataclass(frozen=True)
+class _Add:
+    stream: RequestStream
+    prompt: str | list[int] | None
+    messages: list[dict] | None
+    params: SamplingParams
+    # Chat without max_tokens: generate up to the model's length limit (as OpenAI and vLLM).
+    fill_max_tokens: bool
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    """Owns the engine thread. Public methods are called from the event loop."""
+
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
+        self._last_stats: object = None
+        # Event-loop side: requests submitted that have not produced a token yet.
+        self.num_waiting = 0
+
+    # ------------------------------------------------------------------ event-loop side
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        fill_max_tokens: bool = False,
+        arrival_time: float | None = None,
+    ) -> RequestStream:
+        """Queue a request; its stream yields Accepted or Rejected first, then Deltas."""
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self.num_waiting += 1
+        self._commands.put(
+            _Add(
+                stream,
+                prompt,
+                messages,
+                params,
+                fill_max_tokens,
+                arrival_time if arrival_time is not None else time.monotonic(),
+            )
+        )
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        """Abort a request (client gone); its KV blocks are freed before the next iteration."""
+        if not stream.done:
+            self._mark_done(stream)
+            self._commands.put(_Abort(stream.request_id))
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort whatever still runs and stop the thread."""
+        self._commands.put(_Stop())
+        await asyncio.to_thread(self._thread.join, timeout_s)
+
+    def _mark_done(self, stream: RequestStream) -> None:
+        stream.done = True
+        if not stream.started:
+            stream.started = True
+            self.num_waiting -= 1
+
+    def _deliver(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
+        """Runs on the event loop: hand items to their streams."""
+        for stream, item in items:
+            if isinstance(item, (Rejected, EngineFailed)) or (
+                isinstance(item, Delta) and item.finished
+            ):
+                self._mark_done(stream)
+            elif isinstance(item, Delta) and not stream.started:
+                stream.started = True
+                self.num_waiting -= 1
+            stream.queue.put_nowait(item)
+
+    # ------------------------------------------------------------------ engine thread
+    def _run(self) -> None:
+        try:
+            while self._drain(block=not self.engine.has_unfinished()):
+                if self.engine.has_unfinished():
+                    self._step()
+                self._publish_state()
+        except Exception:  # a bug here must not leave clients hanging forever
+            logger.exception("engine thread crashed")
+            self._fail_all("the engine thread crashed; see the server log")
+        finally:
+            self._abort_all()
+            self._refuse_queued()
+            self._publish_state()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply queued commands; False once asked to stop."""
+        pending: list[tuple[RequestStream, StreamItem]] = []
+        try:
+            cmd = self._commands.get(block=block)
+            while True:
+                if isinstance(cmd, _Stop):
+                    return False
+                if isinstance(cmd, _Add):
+                    pending.append((cmd.stream, self._add(cmd)))
+                else:
+                    self._abort(cmd.request_id, pending)
+                cmd = self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        finally:
+            self._post(pending)
+
+    def _add(self, cmd: _Add) -> StreamItem:
+        eng = self.engine
+        try:
+            if cmd.messages is not None:
+                ids = eng.apply_chat_template(cmd.messages)
+            else:
+                assert cmd.prompt is not None
+                ids = eng.tokenize(cmd.prompt)
+            params = cmd.params
+            if cmd.fill_max_tokens:
+                params = replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
+            self._check_fits_cache(len(ids))
+            eng.add_request(
+                ids, params, request_id=cmd.stream.request_id, arrival_time=cmd.arrival_time
+            )
+        except Exception as exc:  # tokenizer, chat template or engine validation: bad input
+            return Rejected(str(exc) or type(exc).__name__)
+        self._streams[cmd.stream.request_id] = cmd.stream
+        return Accepted(list(ids))
+
+    def _check_fits_cache(self, num_prompt_tokens: int) -> None:
+        # A prompt that can never be admitted would wait forever; say so now instead.
+        for runner in (self.engine.engine.target, self.engine.engine.draft):
+            if runner is None:
+                continue
+            need = runner.cache.blocks_needed([], num_prompt_tokens + 1)
+            if need > runner.cache.num_blocks:
+                raise ValueError(
+                    f"prompt has {num_prompt_tokens} tokens and needs {need} KV "
+                    f"blocks; this server's cache holds {runner.cache.num_blocks}"
+                )
+
+    def _abort(self, request_id: str, pending: list[tuple[RequestStream, StreamItem]]) -> None:
+        stream = self._streams.pop(request_id, None)
+        out = self.engine.abort(request_id)
+        if out is not None and stream is not None:
+            pending.append((stream, self._delta(out)))
+
+    def _step(self) -> None:
+        try:
+            outs = self.engine.step()
+        except Exception as exc:
+            logger.exception("engine step failed")
+            self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            return
+        stats = self.engine.last_stats
+        if stats is not None and stats is not self._last_stats:
+            self._last_stats = stats
+            self.metrics.observe_iteration(stats)
+        pending = []
+        for out in outs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+            if stream is not None:
+                pending.append((stream, self._delta(out)))
+        self._post(pending)
+        if not outs:
+            time.sleep(0.001)  # nothing could run this round (e.g. waiting for KV): do not spin
+
+    def _delta(self, out: RequestOutput) -> Delta:
+        """The stream item of an engine output; records the metrics of a finished request."""
+        if not out.finished:
+            return Delta(out.delta_text, list(out.delta_token_ids), None)
+        summary = self._summarize(out, out.outputs[0].finish_reason or "abort")
+        self.metrics.observe_finished(summary)
+        return Delta(
+            out.delta_text,
+            list(out.delta_token_ids),
+            summary.finish_reason,
+            out.outputs[0].text,
+            tuple(out.outputs[0].token_ids),
+            summary,
+        )
+
+    def _summarize(self, out: RequestOutput, finish_reason: str) -> FinishedRequest:
+        m = out.metrics
+        return FinishedRequest(
+            finish_reason=finish_reason,
+            slo_tpot_ms=m.slo_tpot_ms,
+            slo_class=self.metrics.slo_class(m.slo_tpot_ms),
+            slo_attained=m.slo_attained,
+            num_prompt_tokens=len(out.prompt_token_ids),
+            num_output_tokens=m.num_output_tokens,
+            ttft_s=m.ttft_s,
+            tpot_ms=m.tpot_ms,
+            e2e_s=m.e2e_s,
+            spec_tree_tokens=m.num_tree_tokens,
+            spec_accepted_tokens=m.num_accepted_tokens,
+        )
+
+    def _fail_all(self, message: str) -> None:
+        """Abort every request (freeing its KV) and tell its client the engine failed."""
+        pending: list[tuple[RequestStream, StreamItem]] = []
+        for rid, stream in list(self._streams.items()):
+            try:
+                out = self.engine.abort(rid)
+                if out is not None:
+                    self.metrics.observe_finished(self._summarize(out, "error"))
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+            pending.append((stream, EngineFailed(message)))
+        self._streams.clear()
+        self._post(pending)
+
+    def _abort_all(self) -> None:
+        pending: list[tuple[RequestStream, StreamItem]] = []
+        for rid in list(self._streams):
+            self._abort(rid, pending)
+        self._post(pending)
+
+    def _refuse_queued(self) -> None:
+        """Answer requests still queued when the loop ends (stop or crash) instead of never."""
+        pending: list[tuple[RequestStream, StreamItem]] = []
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(cmd, _Add):
+                pending.append((cmd.stream, EngineFailed(ENGINE_STOPPED)))
+        self._post(pending)
+
+    def _post(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        for stream, item in items:
+            by_loop[stream.loop].append((stream, item))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, batch)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
+
+    def _publish_state(self) -> None:
+        sched = self.engine.scheduler
+        alloc = self.engine.engine.target.cache.allocator
+        self.metrics.set_engine_state(
+            len(sched.running),
+            len(sched.waiting),
+            alloc.num_used,
+            alloc.num_blocks,
+            sched.num_preemptions,
+        )

@@ -1,0 +1,270 @@
+"""Prometheus metrics of the server. This module owns every metric name (prefix `adaserve_`).
+
+Each server builds its own `ServerMetrics` over a private `CollectorRegistry`, so several apps
+can live in one process (tests). The engine thread records iterations and finished requests;
+the HTTP side records rejections. prometheus-client metrics are thread-safe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from adaserve.request_manager.scheduler import IterationStats
+
+NO_SLO_CLASS = "none"
+# A request whose slo_tpot_ms lies above every class bound (only when no class is `inf`).
+OTHER_SLO_CLASS = "other"
+
+TPOT_BUCKETS_S = (
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+TOKEN_COUNT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+UTILIZATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
+
+
+def slo_class_of(slo_tpot_ms: float | None, classes: tuple[tuple[str, float], ...]) -> str:
+    """The first class (classes sorted by bound) whose bound is >= slo_tpot_ms."""
+    if slo_tpot_ms is None:
+        return NO_SLO_CLASS
+    for name, bound in classes:
+        if slo_tpot_ms <= bound:
+            return name
+    return OTHER_SLO_CLASS
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """What a finished request measured (a snapshot taken in the engine thread)."""
+
+    finish_reason: str  # stop | length | abort | error
+    slo_tpot_ms: float | None
+    slo_class: str
+    slo_attained: bool | None  # None: no SLO
+    num_prompt_tokens: int
+    num_output_tokens: int
+    ttft_s: float | None
+    tpot_ms: float | None  # None with fewer than two output tokens
+    e2e_s: float | None
+    spec_tree_tokens: int
+    spec_accepted_tokens: int
+
+
+class ServerMetrics:
+    """Every metric the server exports, registered in a registry of its own."""
+
+    def __init__(self, slo_classes: tuple[tuple[str, float], ...]) -> None:
+        self.slo_classes = slo_classes
+        self.registry = r = CollectorRegistry()
+        cls = ["slo_class"]
+        # Requests.
+        self.requests = Counter(
+            "adaserve_requests",
+            "Finished requests by finish reason (stop, length, abort, error)",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "adaserve_requests_rejected",
+            "Requests refused before reaching the engine, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.slo_attained = Counter(
+            "adaserve_slo_attained", "Finished requests whose TPOT met their SLO", cls, registry=r
+        )
+        self.slo_violated = Counter(
+            "adaserve_slo_violated",
+            "Finished requests whose TPOT exceeded their SLO",
+            cls,
+            registry=r,
+        )
+        self.goodput_tokens = Counter(
+            "adaserve_goodput_tokens",
+            "Output tokens of requests that met their SLO",
+            cls,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "adaserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
+        )
+        self.generation_tokens = Counter(
+            "adaserve_generation_tokens", "Output tokens of finished requests", cls, registry=r
+        )
+        self.tpot = Histogram(
+            "adaserve_time_per_output_token_seconds",
+            "Per-request mean time per output token after the first",
+            cls,
+            buckets=TPOT_BUCKETS_S,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "adaserve_time_to_first_token_seconds",
+            "Arrival to first output token",
+            cls,
+            buckets=TTFT_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "adaserve_e2e_request_latency_seconds",
+            "Arrival to finish",
+            cls,
+            buckets=E2E_BUCKETS_S,
+            registry=r,
+        )
+        # Engine state, sampled after every iteration.
+        self.running = Gauge(
+            "adaserve_num_requests_running", "Requests in the running batch", registry=r
+        )
+        self.waiting = Gauge(
+            "adaserve_num_requests_waiting", "Requests queued, not yet running", registry=r
+        )
+        self.kv_used = Gauge("adaserve_kv_blocks_used", "Target KV-cache blocks in use", registry=r)
+        self.kv_total = Gauge(
+            "adaserve_kv_blocks_total", "Target KV-cache blocks in the pool", registry=r
+        )
+        self.preemptions = Counter(
+            "adaserve_preemptions",
+            "Requests preempted to free KV blocks (recomputed later)",
+            registry=r,
+        )
+        # Iterations.
+        self.iterations = Counter(
+            "adaserve_iterations",
+            "Engine iterations by kind (prefill, decode)",
+            ["kind"],
+            registry=r,
+        )
+        self.iteration_s = Histogram(
+            "adaserve_iteration_seconds",
+            "Wall time of one iteration",
+            ["kind"],
+            buckets=STAGE_BUCKETS_S,
+            registry=r,
+        )
+        self.tree_tokens = Histogram(
+            "adaserve_iteration_tree_tokens",
+            "Speculated (non-root) tree tokens verified per decode iteration",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.accepted_tokens = Histogram(
+            "adaserve_iteration_accepted_tokens",
+            "Speculated tokens accepted per decode iteration",
+            buckets=TOKEN_COUNT_BUCKETS,
+            registry=r,
+        )
+        self.budget_utilization = Histogram(
+            "adaserve_iteration_budget_utilization",
+            "Tokens verified / budget B per decode iteration",
+            buckets=UTILIZATION_BUCKETS,
+            registry=r,
+        )
+        self.stage_s = Histogram(
+            "adaserve_iteration_stage_seconds",
+            "Time per decode iteration in each stage (draft, select, verify)",
+            ["stage"],
+            buckets=STAGE_BUCKETS_S,
+            registry=r,
+        )
+        # Same meaning as vLLM's spec_decode_* counters, so existing dashboards read them.
+        self.spec_drafts = Counter(
+            "adaserve_spec_decode_num_drafts",
+            "Request-iterations with a draft proposal",
+            registry=r,
+        )
+        self.spec_draft_tokens = Counter(
+            "adaserve_spec_decode_num_draft_tokens",
+            "Speculated tokens verified by the target",
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "adaserve_spec_decode_num_accepted_tokens", "Speculated tokens accepted", registry=r
+        )
+        # Make every label combination visible from the start (a class with no traffic yet
+        # shows 0 instead of being absent, which dashboards and tests read more easily).
+        for name in [c for c, _ in slo_classes] + [NO_SLO_CLASS]:
+            for metric in (
+                self.slo_attained,
+                self.slo_violated,
+                self.goodput_tokens,
+                self.generation_tokens,
+            ):
+                metric.labels(name)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
+        for stage in ("draft", "select", "verify"):
+            self.stage_s.labels(stage)
+        self._seen_preemptions = 0
+
+    def slo_class(self, slo_tpot_ms: float | None) -> str:
+        return slo_class_of(slo_tpot_ms, self.slo_classes)
+
+    def observe_finished(self, req: FinishedRequest) -> None:
+        c = req.slo_class
+        self.requests.labels(req.finish_reason).inc()
+        self.prompt_tokens.inc(req.num_prompt_tokens)
+        self.generation_tokens.labels(c).inc(req.num_output_tokens)
+        if req.slo_attained is True:
+            self.slo_attained.labels(c).inc()
+            self.goodput_tokens.labels(c).inc(req.num_output_tokens)
+        elif req.slo_attained is False:
+            self.slo_violated.labels(c).inc()
+        if req.tpot_ms is not None and math.isfinite(req.tpot_ms):
+            self.tpot.labels(c).observe(req.tpot_ms / 1000.0)
+        if req.ttft_s is not None:
+            self.ttft.labels(c).observe(req.ttft_s)
+        if req.e2e_s is not None:
+            self.e2e.labels(c).observe(req.e2e_s)
+
+    def observe_iteration(self, stats: IterationStats) -> None:
+        self.iterations.labels(stats.kind).inc()
+        self.iteration_s.labels(stats.kind).observe(stats.total_s)
+        if stats.kind != "decode":
+            return
+        self.tree_tokens.observe(stats.tree_tokens)
+        self.accepted_tokens.observe(stats.accepted_tokens)
+        self.budget_utilization.observe(stats.budget_utilization)
+        self.stage_s.labels("draft").observe(stats.draft_s)
+        self.stage_s.labels("select").observe(stats.select_s)
+        self.stage_s.labels("verify").observe(stats.verify_s)
+        if stats.depth > 0:
+            # A speculative iteration drafted for every running request (vLLM counts one
+            # "draft" per request per step the same way).
+            self.spec_drafts.inc(stats.num_requests)
+            self.spec_draft_tokens.inc(stats.tree_tokens)
+            self.spec_accepted_tokens.inc(stats.accepted_tokens)
+
+    def set_engine_state(
+        self, running: int, waiting: int, kv_used: int, kv_total: int, preemptions: int
+    ) -> None:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_used.set(kv_used)
+        self.kv_total.set(kv_total)
+        if preemptions > self._seen_preemptions:
+            self.preemptions.inc(preemptions - self._seen_preemptions)
+            self._seen_preemptions = preemptions
+
+    def render(self) -> bytes:
+        """The exposition text of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,376 @@
+"""Pydantic models of the OpenAI API subset adaserve serves, plus its extensions.
+
+Requests: OpenAI's fields, validated strictly (a string where a number belongs is a 400, not
+a silent coercion), plus `slo_tpot_ms`, `top_k`, `ignore_eos`, `stop_token_ids` and
+`return_token_ids`. Fields OpenAI has but adaserve does not implement are accepted only at
+their no-op values, so a client never silently gets something other than it asked for.
+Responses: OpenAI's objects plus an `adaserve` object beside `usage`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+)
+
+from adaserve.request_manager.request import SamplingParams
+
+SAMPLING_EPS = 1e-5
+MIN_TOP_P = 1e-9
+
+
+def _strict(default: Any = None, **kw: Any) -> Any:
+    return Field(default, strict=True, **kw)
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = _strict(False)
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = _strict()
+    max_tokens: int | None = _strict(ge=1)
+    temperature: float | None = _strict(ge=0, allow_inf_nan=False)
+    top_p: float | None = _strict(gt=0, le=1, allow_inf_nan=False)
+    n: int | None = _strict()
+    # torch generators take seeds in [-2**63, 2**64).
+    seed: int | None = _strict(ge=-(2**63), lt=2**64)
+    stop: str | list[str] | None = None
+    stream: bool | None = _strict(False)
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = _strict(allow_inf_nan=False)
+    frequency_penalty: float | None = _strict(allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions.
+    slo_tpot_ms: float | None = _strict(gt=0, allow_inf_nan=False)
+    top_k: int | None = _strict(ge=-1)
+    ignore_eos: bool | None = _strict(False)
+    stop_token_ids: list[int] | None = _strict()
+    return_token_ids: bool | None = _strict(False)
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"n must be 1 (one choice per request), got {v}")
+        return v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_strings(cls, v: Any) -> Any:
+        items = [v] if isinstance(v, str) else v
+        if v is not None and (
+            not isinstance(items, list) or not all(isinstance(s, str) and s for s in items)
+        ):
+            raise ValueError(
+                f"stop must be a non-empty string or a list of non-empty strings, got {_short(v)}"
+            )
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v not in (None, 0.0):
+            raise ValueError(f"{info.field_name} is not supported; leave it unset or 0, got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: dict | None) -> dict | None:
+        if v:
+            raise ValueError("logit_bias is not supported; leave it unset")
+        return v
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def to_sampling_params(self, default_slo_tpot_ms: float | None) -> SamplingParams:
+        """Engine parameters; fields the client left out keep SamplingParams' defaults."""
+        kw: dict[str, Any] = {}
+        if (max_tokens := self.requested_max_tokens()) is not None:
+            kw["max_tokens"] = max_tokens
+        if self.temperature is not None:
+            # As in vLLM: below SAMPLING_EPS sampling is greedy in all but name, and dividing
+            # logits by such a temperature overflows to inf (NaN probabilities).
+            kw["temperature"] = 0.0 if self.temperature < SAMPLING_EPS else self.temperature
+        if self.top_p is not None:
+            # Any top_p <= 1/V keeps just the top token; a floor changes nothing but keeps the
+            # engine's float32 comparison from seeing 0.
+            kw["top_p"] = max(self.top_p, MIN_TOP_P)
+        if self.seed is not None:
+            kw["seed"] = self.seed
+        if self.top_k is not None:
+            kw["top_k"] = -1 if self.top_k == 0 else self.top_k  # 0 means off, as in vLLM
+        if self.stop is not None:
+            kw["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
+        kw["ignore_eos"] = bool(self.ignore_eos)
+        slo = self.slo_tpot_ms if self.slo_tpot_ms is not None else default_slo_tpot_ms
+        return SamplingParams(slo_tpot_ms=slo, **kw)
+
+
+class CompletionRequest(_SamplingRequest):
+    # str | list[int], also a batch of one ([str] or [[int]]); checked by `_one_prompt`.
+    prompt: Any = Field(...)
+    echo: bool | None = _strict(False)
+    logprobs: int | None = _strict()
+    best_of: int | None = _strict()
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, v: Any) -> str | list[int]:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+            v = v[0]  # a batch of one prompt
+        if isinstance(v, str) and v:
+            return v
+        if (
+            isinstance(v, list)
+            and v
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+        ):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+            raise ValueError(
+                f"prompt must be a single prompt, got a batch of {len(v)} (send one request each)"
+            )
+        raise ValueError(
+            f"prompt must be a non-empty string or a non-empty list of token ids, got {_short(v)}"
+        )
+
+    @field_validator("echo", "logprobs", "suffix")
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        if v not in (None, False, ""):
+            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
+        return v
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, v: int | None) -> int | None:
+        if v not in (None, 1):
+            raise ValueError(f"best_of must be 1, got {v}")
+        return v
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Any = None  # str or a list of text parts; normalised to str by `_text`
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> str:
+        if v is None or isinstance(v, str):
+            return v or ""
+        if isinstance(v, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in v
+        ):
+            return "".join(p["text"] for p in v)
+        raise ValueError(
+            'content must be a string or a list of {"type": "text", "text": '
+            "...} parts (adaserve serves text-only models)"
+        )
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(..., min_length=1)
+    max_completion_tokens: int | None = _strict(ge=1)
+    logprobs: bool | None = _strict(False)
+    top_logprobs: int | None = _strict()
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "top_logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, v: list | None) -> list | None:
+        if v:
+            raise ValueError("tool calling is not supported by adaserve; leave it unset")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type") != "text":
+            raise ValueError(f'response_format must be {{"type": "text"}}, got {_short(v)}')
+        return v
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens in OpenAI's chat API.
+        return (
+            self.max_completion_tokens
+            if self.max_completion_tokens is not None
+            else self.max_tokens
+        )
+
+    def message_dicts(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """(message, param) of the first error, e.g. ("max_tokens: ... got 0", "max_tokens")."""
+    err = exc.errors(include_url=False)[0]
+    loc = err.get("loc", ())
+    param = None
+    if loc:
+        param = str(loc[0]) + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc[1:])
+    msg = str(err.get("msg", "invalid value"))
+    if param is None:
+        return f"request body must be a JSON object, got {_short(err.get('input'))}", None
+    if err.get("type") == "missing":
+        return f"{param} is required", param
+    if err.get("type") == "value_error":  # our validators: a whole sentence naming the field
+        return msg.removeprefix("Value error, "), param
+    msg = msg.replace("Input should be", "must be").replace("List should", "must")
+    return f"{param} {msg}, got {_short(err.get('input'))}", param
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# ---------------------------------------------------------------------------- responses
+class _Response(BaseModel):
+    """Response objects; fields named in `_omit_if_none` are left out rather than null."""
+
+    _omit_if_none: ClassVar[frozenset[str]] = frozenset(
+        {"usage", "adaserve", "token_ids", "prompt_token_ids", "role", "content"}
+    )
+
+    @model_serializer(mode="wrap")
+    def _omit_nones(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        return {k: v for k, v in data.items() if v is not None or k not in self._omit_if_none}
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class AdaserveInfo(_Response):
+    """What adaserve measured for one request (beside `usage`)."""
+
+    tpot_ms: float | None  # mean time per output token after the first; None for 1 token
+    ttft_ms: float | None
+    e2e_ms: float | None
+    slo_tpot_ms: float | None
+    slo_class: str
+    slo_attained: bool | None  # None: the request had no SLO
+    spec_tree_tokens: int  # speculated tokens the target verified for this request
+    spec_accepted_tokens: int  # of which accepted
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    adaserve: AdaserveInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatMessageOut(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo | None = None
+    adaserve: AdaserveInfo | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: UsageInfo | None = None
+    adaserve: AdaserveInfo | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "adaserve"
+    root: str | None = None
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,166 @@
+"""The FastAPI app and its uvicorn server.
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need
+the API key when one is set), GET /health, GET /metrics. `build_app` wires one LLMEngine
+into an app; `serve` runs it with uvicorn and shuts down gracefully: on SIGINT/SIGTERM new
+requests get 503, running ones may finish for `shutdown_timeout_s`, the rest are aborted.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from types import FrameType
+
+import uvicorn
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from adaserve.api.async_engine import AsyncEngine
+from adaserve.api.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    internal_error_handler,
+)
+from adaserve.api.metrics import ServerMetrics
+from adaserve.api.protocol import ModelCard, ModelList
+from adaserve.api.serving import OpenAIServing
+from adaserve.config import ServerConfig
+from adaserve.llm import LLMEngine
+
+logger = logging.getLogger("adaserve.api")
+
+
+def served_model_name(engine: LLMEngine, cfg: ServerConfig) -> str:
+    """--served-model-name, else the model as given on the command line (as vLLM names it)."""
+    if cfg.served_model_name:
+        return cfg.served_model_name
+    return engine.model_cfg.model or engine.engine.target_path.name
+
+
+def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
+    """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    metrics = ServerMetrics(cfg.slo_classes)
+    async_engine = AsyncEngine(engine, metrics)
+    name = served_model_name(engine, cfg)
+    serving = OpenAIServing(async_engine, cfg, name, engine.sched_cfg.max_waiting)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        yield
+        serving.draining = True
+        await async_engine.shutdown()
+
+    app = FastAPI(title="adaserve", version="0.1.0", lifespan=lifespan)
+    app.state.serving, app.state.metrics, app.state.async_engine = serving, metrics, async_engine
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, internal_error_handler)
+
+    async def check_api_key(request: Request) -> None:
+        if cfg.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, token = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), cfg.api_key.encode()
+        ):
+            metrics.rejected.labels("unauthorized").inc()
+            raise APIError(
+                401,
+                "missing or wrong API key; send the header 'Authorization: "
+                "Bearer <key>' with the key the server was started with",
+                code="invalid_api_key",
+            )
+
+    auth = [Depends(check_api_key)]
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request) -> Response:
+        return await serving.completions(request)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> ModelList:
+        return ModelList(
+            data=[
+                ModelCard(
+                    id=name,
+                    created=created,
+                    max_model_len=engine.max_model_len,
+                    root=str(engine.engine.target_path),
+                )
+            ]
+        )
+
+    @app.get("/health")
+    async def health() -> Response:
+        if serving.draining or not async_engine.alive:
+            return JSONResponse({"status": "unavailable"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn, plus: the moment a shutdown signal arrives, new requests get 503."""
+
+    def __init__(self, config: uvicorn.Config, serving: OpenAIServing) -> None:
+        super().__init__(config)
+        self.serving = serving
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.serving.draining = True
+        super().handle_exit(sig, frame)
+
+
+def make_server(
+    app: FastAPI,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    shutdown_timeout_s: float | None = None,
+) -> uvicorn.Server:
+    """A uvicorn server for `app` (run with `.run()`, or `.serve()` inside a loop)."""
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+        access_log=False,
+    )
+    return _GracefulServer(config, app.state.serving)
+
+
+def serve(
+    engine: LLMEngine,
+    cfg: ServerConfig,
+    log_level: str = "info",
+    shutdown_timeout_s: float | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM."""
+    app = build_app(engine, cfg)
+    logger.info(
+        "serving %s on http://%s:%d (policy %s)",
+        served_model_name(engine, cfg),
+        cfg.host,
+        cfg.port,
+        engine.sched_cfg.policy,
+    )
+    make_server(app, cfg.host, cfg.port, log_level, shutdown_timeout_s).run()

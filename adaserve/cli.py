@@ -1,0 +1,290 @@
+"""`adaserve` command line: `adaserve serve [MODEL] ...`, `adaserve generate PROMPT ...`.
+
+Each subcommand is an (add_arguments, run) pair in `SUBCOMMANDS`; another module adds one
+(e.g. `profile`, `bench`) with `register(name, help, add_arguments, run)`. Defaults come
+from the config dataclasses, so `adaserve --help` shows what config.py says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+
+from adaserve.config import (
+    DTYPES,
+    POLICIES,
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    parse_slo_classes,
+)
+from adaserve.request_manager.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+
+
+SUBCOMMANDS: dict[str, Subcommand] = {}
+
+
+def register(
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+) -> None:
+    SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
+
+
+# ---------------------------------------------------------------------------- shared flags
+def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> None:
+    """Model, cache and scheduler flags (shared by every subcommand that runs the engine)."""
+    m, c, s = ModelConfig(), CacheConfig(), SchedulerConfig()
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=m.model,
+        help="HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--draft-model",
+        default=m.draft_model,
+        help="draft checkpoint sharing the target's tokenizer (default model: a "
+        "truncated copy of it is made automatically)",
+    )
+    p.add_argument("--policy", choices=POLICIES, default=default_policy, help="scheduling policy")
+    p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
+    p.add_argument("--device", default=m.device, help="cpu or cuda[:N]")
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=m.max_model_len,
+        help="prompt + output token limit (default: the model's own)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=s.max_num_seqs,
+        help="most requests in the running batch",
+    )
+    p.add_argument(
+        "--budget", type=int, default=s.budget, help="B: tokens verified per target forward"
+    )
+    p.add_argument(
+        "--num-blocks",
+        type=int,
+        default=c.num_blocks,
+        help="target KV blocks (default: a fraction of memory)",
+    )
+    p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    p.add_argument("--seed", type=int, default=m.seed, help="seed of requests that give none")
+
+
+def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
+    """Config fields by name (as `LLM(**kwargs)` takes them), from the engine flags."""
+    return dict(
+        model=a.model,
+        draft_model=a.draft_model,
+        policy=a.policy,
+        dtype=a.dtype,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        seed=a.seed,
+        block_size=a.block_size,
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        budget=a.budget,
+    )
+
+
+def engine_configs(
+    a: argparse.Namespace,
+    **extra: object,
+) -> tuple[ModelConfig, CacheConfig, SchedulerConfig]:
+    """The three engine configs from the engine flags (plus `extra` config fields)."""
+    kw = {**engine_kwargs(a), **extra}
+    return tuple(
+        cls(**{f.name: kw[f.name] for f in fields(cls) if f.name in kw})  # type: ignore
+        for cls in (ModelConfig, CacheConfig, SchedulerConfig)
+    )
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _slo_classes(text: str) -> tuple[tuple[str, float], ...]:
+    try:
+        return parse_slo_classes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---------------------------------------------------------------------------- serve
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    add_engine_arguments(p, ServerConfig.policy)
+    p.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port")
+    p.add_argument(
+        "--api-key",
+        default=d.api_key,
+        help="require 'Authorization: Bearer KEY' on /v1/* (default: none)",
+    )
+    p.add_argument(
+        "--served-model-name",
+        default=d.served_model_name,
+        help="model name clients send (default: MODEL as given)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=SchedulerConfig().max_waiting,
+        help="requests allowed to wait for a batch slot; beyond: 429 with "
+        "Retry-After (default: unbounded)",
+    )
+    p.add_argument(
+        "--default-slo-tpot-ms",
+        type=_positive_float,
+        default=d.default_slo_tpot_ms,
+        help="SLO of requests without slo_tpot_ms (default: none, best effort)",
+    )
+    classes = ",".join(f"{n}={b:g}" for n, b in d.slo_classes)
+    p.add_argument(
+        "--slo-classes",
+        type=_slo_classes,
+        default=d.slo_classes,
+        help=f"metric classes of slo_tpot_ms, name=upper_bound_ms,... (default: {classes})",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=ServerConfig.shutdown_timeout_s,
+        help="seconds running requests may finish after SIGTERM before abort",
+    )
+    p.add_argument(
+        "--log-level",
+        default=ServerConfig.log_level,
+        choices=["critical", "error", "warning", "info", "debug"],
+        help="server log verbosity",
+    )
+
+
+def run_serve(a: argparse.Namespace) -> int:
+    from adaserve.api.server import serve
+    from adaserve.llm import LLMEngine
+
+    if a.max_waiting is not None and a.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
+    cfg = ServerConfig(
+        host=a.host,
+        port=a.port,
+        api_key=a.api_key,
+        served_model_name=a.served_model_name,
+        default_slo_tpot_ms=a.default_slo_tpot_ms,
+        slo_classes=a.slo_classes,
+    )
+    serve(engine, cfg, log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout)
+    return 0
+
+
+# ---------------------------------------------------------------------------- generate
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    sp = SamplingParams()
+    p.add_argument("prompt", help="the prompt text")
+    add_engine_arguments(p, SchedulerConfig().policy)
+    p.add_argument("--max-tokens", type=int, default=sp.max_tokens)
+    p.add_argument(
+        "--temperature", type=float, default=sp.temperature, help="0 for greedy decoding"
+    )
+    p.add_argument("--top-p", type=float, default=sp.top_p)
+    p.add_argument("--top-k", type=int, default=sp.top_k, help="-1: off")
+    p.add_argument("--slo-tpot-ms", type=_positive_float, default=sp.slo_tpot_ms)
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+
+
+def run_generate(a: argparse.Namespace) -> int:
+    from adaserve.llm import LLM
+
+    llm = LLM(**engine_kwargs(a))  # type: ignore[arg-type]
+    params = SamplingParams(
+        max_tokens=a.max_tokens,
+        temperature=a.temperature,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        slo_tpot_ms=a.slo_tpot_ms,
+    )
+    if a.chat:
+        out = llm.chat([{"role": "user", "content": a.prompt}], params)[0]
+    else:
+        out = llm.generate(a.prompt, params)[0]
+    print(out.outputs[0].text)
+    m = out.metrics
+    tpot = "n/a" if m.tpot_ms is None else f"{m.tpot_ms:.1f} ms"
+    print(
+        f"[{m.num_output_tokens} tokens, finish {out.outputs[0].finish_reason}, TPOT {tpot}]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+register("serve", "run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve)
+register(
+    "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
+)
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """Shows a flag's default unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (
+            "(default" not in text
+            and action.option_strings
+            and action.default is not None
+            and action.default is not False
+            and action.default != argparse.SUPPRESS
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="adaserve", description="SLO-customized LLM serving with tree speculative decoding"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, cmd in SUBCOMMANDS.items():
+        p = sub.add_parser(
+            name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter
+        )
+        cmd.add_arguments(p)
+        p.set_defaults(_run=cmd.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args._run(args)
+    except (ValueError, FileNotFoundError) as exc:  # bad flags or model path: say what, no trace
+        print(f"adaserve {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""The server over a tiny random model, in-thread uvicorn on 127.0.0.1: every policy, overload,
+engine failures, client disconnects and graceful shutdown, made deterministic by gating the
+engine's `step` from the test."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from adaserve import LLM, LLMEngine, SamplingParams
+from adaserve.api.server import build_app
+from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
+from tests.conftest import make_tiny_checkpoint
+from tests.e2e.harness import ThreadServer, metric, read_metrics, wait_for
+
+PROMPT = "t5 t6 t7 t8"
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny_draft"), "llama", num_layers=1, seed=1
+    )
+
+
+def make_engine(
+    target: Path, draft: Path | None = None, policy: str = "incremental", **sched: object
+) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(model=str(target), draft_model=str(draft) if draft else None),
+        CacheConfig(num_blocks=64),
+        SchedulerConfig(policy=policy, **sched),
+    )
+
+
+def complete(url: str, **body: object) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_every_policy_serves_the_targets_greedy_output(tiny_llama, tiny_draft, policy) -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(str(tiny_llama)).generate(PROMPT, params)[0].outputs[0].token_ids
+    engine = make_engine(tiny_llama, tiny_draft, policy)
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        r = complete(
+            srv.url,
+            max_tokens=24,
+            temperature=0,
+            ignore_eos=True,
+            return_token_ids=True,
+            slo_tpot_ms=20,
+        )
+        assert r.status_code == 200, r.text
+        got = r.json()
+        assert got["choices"][0]["token_ids"] == expected, f"{policy}: HTTP output differs"
+        info = got["adaserve"]
+        assert info["slo_class"] == "urgent" and isinstance(info["slo_attained"], bool), info
+        m = read_metrics(srv.url)
+        drafted = metric(m, "adaserve_spec_decode_num_draft_tokens_total")
+        accepted = metric(m, "adaserve_spec_decode_num_accepted_tokens_total")
+        if policy == "incremental":
+            assert drafted == 0, "incremental must not speculate"
+        else:
+            assert drafted > 0 and info["spec_tree_tokens"] > 0, f"{policy} did not speculate"
+            assert 0 <= accepted <= drafted, f"accepted {accepted} > drafted {drafted}"
+
+
+def test_prompt_that_can_never_fit_the_kv_cache_is_a_400(tiny_llama) -> None:
+    engine = LLMEngine(
+        ModelConfig(model=str(tiny_llama)),
+        CacheConfig(num_blocks=2, block_size=4),
+        SchedulerConfig(policy="incremental"),
+    )
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        r = complete(srv.url, prompt=list(range(2, 22)), max_tokens=2)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+        assert "KV blocks" in r.json()["error"]["message"], r.text
+        assert complete(srv.url, prompt=[5, 6], max_tokens=2).status_code == 200
+
+
+class Gate:
+    """Wraps engine.step: the engine thread blocks while the gate is closed; can fail once."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.open = threading.Event()
+        self.open.set()
+        self.fail_next = False
+        step = engine.step
+
+        def gated_step():
+            self.open.wait()
+            if self.fail_next:
+                self.fail_next = False
+                raise RuntimeError("injected failure")
+            return step()
+
+        engine.step = gated_step  # type: ignore[method-assign]
+
+
+@pytest.fixture(scope="module")
+def gated(tiny_llama) -> Iterator[tuple[ThreadServer, Gate]]:
+    engine = make_engine(tiny_llama, max_num_seqs=1, max_waiting=2)
+    gate = Gate(engine)
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        yield srv, gate
+
+
+def kv_used(url: str) -> float:
+    return metric(read_metrics(url), "adaserve_kv_blocks_used")
+
+
+def test_queue_full_is_429_with_retry_after_and_serving_goes_on(gated) -> None:
+    srv, gate = gated
+    engine = srv.app.state.async_engine
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            body = {"prompt": PROMPT, "max_tokens": 4}
+            gate.open.clear()
+            queued = [
+                asyncio.create_task(client.post("/v1/completions", json=body)) for _ in range(2)
+            ]
+            while engine.num_waiting < 2:
+                await asyncio.sleep(0.01)
+            r = await client.post("/v1/completions", json=body)
+            assert r.status_code == 429, r.text
+            assert int(r.headers["retry-after"]) >= 1, "429 without Retry-After"
+            assert r.json()["error"]["code"] == "queue_full", r.text
+            gate.open.set()
+            for done in await asyncio.gather(*queued):
+                assert done.status_code == 200, done.text
+            again = await client.post("/v1/completions", json=body)
+            assert again.status_code == 200, "server stopped serving after a 429"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        gate.open.set()
+    assert (
+        metric(read_metrics(srv.url), "adaserve_requests_rejected_total", reason="queue_full") >= 1
+    )
+
+
+def test_engine_failure_is_a_500_and_the_next_request_works(gated) -> None:
+    srv, gate = gated
+    gate.fail_next = True
+    r = complete(srv.url, max_tokens=4)
+    assert r.status_code == 500 and "injected failure" in r.json()["error"]["message"], r.text
+    gate.fail_next = True
+    with httpx.stream(
+        "POST",
+        f"{srv.url}/v1/completions",
+        timeout=60,
+        json={"prompt": PROMPT, "max_tokens": 4, "stream": True},
+    ) as s:
+        events = [line for line in s.iter_lines() if line.startswith("data: ")]
+    assert "injected failure" in events[-2] and events[-1] == "data: [DONE]", events
+    assert complete(srv.url, max_tokens=4).status_code == 200
+    wait_for(lambda: kv_used(srv.url) == 0, 10, "KV blocks freed after the engine failure")
+
+
+def test_non_streaming_client_that_disconnects_is_aborted(gated) -> None:
+    srv, gate = gated
+    before = metric(read_metrics(srv.url), "adaserve_requests_total", finish_reason="abort")
+    body = json.dumps({"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}).encode()
+    gate.open.clear()
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            wait_for(lambda: srv.app.state.async_engine.num_waiting == 1, 10, "request queued")
+    finally:
+        gate.open.set()
+    wait_for(
+        lambda: (
+            metric(read_metrics(srv.url), "adaserve_requests_total", finish_reason="abort")
+            == before + 1
+        ),
+        10,
+        "the abort",
+    )
+    wait_for(lambda: kv_used(srv.url) == 0, 10, "KV blocks freed after the disconnect")
+
+
+@pytest.mark.parametrize(
+    "extreme",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1e300},
+        {"top_p": 1e-300},
+        {"top_k": 10**9},
+        {"seed": -5},
+        {"max_tokens": 2**70},
+        {"stop": ["x" * 1000]},
+        {"stop_token_ids": [-1, 10**30]},
+        {"prompt": "\x00 \u2603 t5"},
+    ],
+)
+def test_extreme_but_valid_values_are_served(gated, extreme: dict) -> None:
+    r = complete(gated[0].url, **{"max_tokens": 3, **extreme})
+    assert r.status_code == 200, f"{extreme}: {r.status_code} {r.text}"
+
+
+def test_draining_server_answers_503_with_retry_after(gated) -> None:
+    srv, _ = gated
+    serving = srv.app.state.serving
+    serving.draining = True
+    try:
+        r = complete(srv.url, max_tokens=2)
+        assert r.status_code == 503 and "retry-after" in r.headers, r.text
+        assert httpx.get(f"{srv.url}/health").status_code == 503, "health must fail while draining"
+    finally:
+        serving.draining = False
+    assert complete(srv.url, max_tokens=2).status_code == 200
+
+
+def test_shutdown_finishes_running_streams_then_stops_the_engine(tiny_llama) -> None:
+    engine = make_engine(tiny_llama)
+    gate = Gate(engine)
+    srv = ThreadServer(build_app(engine, ServerConfig())).__enter__()
+    lines: list[str] = []
+
+    def read_stream() -> None:
+        with httpx.stream(
+            "POST",
+            f"{srv.url}/v1/completions",
+            timeout=60,
+            json={"prompt": PROMPT, "max_tokens": 50, "ignore_eos": True, "stream": True},
+        ) as s:
+            lines.extend(line for line in s.iter_lines() if line.startswith("data: "))
+
+    gate.open.clear()
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    wait_for(lambda: engine.has_unfinished(), 10, "the stream to reach the engine")
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()  # SIGTERM while the stream runs
+    wait_for(lambda: srv.app.state.serving.draining, 10, "draining to start")
+    try:
+        late = complete(srv.url, max_tokens=2).status_code
+    except httpx.TransportError:
+        late = None  # listener already closed: also a refusal
+    assert late in (None, 503), f"a request during shutdown got {late}"
+    gate.open.set()
+    reader.join(30)
+    stopper.join(30)
+    final = json.loads(lines[-2].removeprefix("data: "))
+    assert final["choices"][0]["finish_reason"] == "length", "running stream was not finished"
+    assert lines[-1] == "data: [DONE]"
+    assert not srv.thread.is_alive(), "server did not exit"
+    assert not srv.app.state.async_engine.alive, "engine thread still running after shutdown"
+    assert engine.engine.target.cache.allocator.num_used == 0, "KV blocks leaked at shutdown"
