@@ -128,3 +128,8 @@ class ServerConfig:
     )
     # Seconds a 429 asks the client to wait.
     retry_after_s: int = 1
+    # `adaserve serve` speculates by default: the default model gets its draft automatically.
+    policy: str = "adaserve"
+    # Seconds running requests may take to finish after SIGINT/SIGTERM before they are aborted.
+    shutdown_timeout_s: float = 30.0
+    log_level: str = "info"

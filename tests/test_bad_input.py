@@ -82,3 +82,29 @@ def test_prompt_longer_than_max_model_len_is_refused_and_nothing_is_queued(tiny_
         llm.generate([[5, 1000]], SamplingParams())
     with pytest.raises(TypeError, match="unknown argument 'bogus'"):
         LLM(model=str(tiny_llama), bogus=1)
+
+
+def test_prompt_bigger_than_the_kv_pool_is_refused_not_queued_forever(tiny_llama):
+    llm = LLM(model=str(tiny_llama), num_blocks=4, block_size=4)
+    with pytest.raises(ValueError, match="more than the target KV cache holds \\(16 tokens\\)"):
+        llm.generate([[5] * 20], SamplingParams(max_tokens=2))
+    assert not llm.llm_engine.has_unfinished()
+
+
+def test_extreme_sampling_values_do_not_produce_nan(tiny_llama):
+    llm = LLM(model=str(tiny_llama), num_blocks=32, block_size=4)
+    greedy = llm.generate([[5, 6]], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    tiny_t = llm.generate([[5, 6]], SamplingParams(max_tokens=8, temperature=1e-300))[0]
+    assert tiny_t.outputs[0].token_ids == greedy.outputs[0].token_ids, "T -> 0 must act greedy"
+    tiny_p = llm.generate([[5, 6]], SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-50))[0]
+    assert tiny_p.outputs[0].token_ids == greedy.outputs[0].token_ids, (
+        "top_p -> 0 keeps the top token"
+    )
+
+
+def test_a_request_outgrowing_the_whole_kv_pool_finishes_with_length(tiny_llama):
+    llm = LLM(model=str(tiny_llama), num_blocks=4, block_size=4)  # 16 tokens in all
+    out = llm.generate([[5] * 6], SamplingParams(max_tokens=50, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "length"
+    assert len(out.outputs[0].token_ids) == 16 - 6 + 1, "should run until the pool is full"
+    assert llm.llm_engine.engine.target.cache.allocator.num_used == 0

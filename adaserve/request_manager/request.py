@@ -41,9 +41,7 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
+
 
 
 class RequestStatus(enum.Enum):

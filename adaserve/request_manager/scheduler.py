@@ -69,6 +69,17 @@ class Scheduler:
                 f"most {limit - 1} prompt tokens (max_model_len {limit}, one is "
                 "needed for output)"
             )
+        for name, runner in (("target", self.engine.target), ("draft", self.engine.draft)):
+            if (
+                runner is not None
+                and runner.cache.blocks_needed([], len(req.prompt_token_ids) + 1)
+                > runner.cache.num_blocks
+            ):
+                raise ValueError(
+                    f"prompt has {len(req.prompt_token_ids)} tokens, more than the {name} KV cache "
+                    f"holds ({runner.cache.num_blocks * runner.cache.block_size} tokens); "
+                    "shorten it or give the server more KV blocks"
+                )
         bad = [t for t in req.prompt_token_ids if not 0 <= t < self.engine.vocab_size]
         if bad:
             raise ValueError(
@@ -204,7 +215,9 @@ class Scheduler:
     def _decode(self) -> list[Request]:
         start = time.monotonic()
         shape = spec_shape(self.cfg, len(self.running))
-        self._make_room(shape)
+        cut_short = self._make_room(shape)
+        if not self.running:
+            return cut_short
         reqs = list(self.running)
         stats = IterationStats("decode", len(reqs), 0, budget=self.cfg.budget)
         if shape is None:
@@ -305,8 +318,11 @@ class Scheduler:
             stats.accepted_tokens += len(accepted)
             stats.emitted_tokens += emitted
 
-    def _make_room(self, shape: SpecShape | None) -> None:
-        """Preempt (recompute later) the newest requests until every tree fits in free KV."""
+    def _make_room(self, shape: SpecShape | None) -> list[Request]:
+        """Preempt (recompute later) the newest requests until every tree fits in free KV.
+
+        Returns the request finished for lack of KV, if even it alone no longer fits.
+        """
         t_cache, d = self.engine.target.cache, self.engine.draft
         tree_nodes = 1 if shape is None else shape.max_nodes
         scratch = 0 if shape is None else draft_scratch_tokens(shape)
@@ -329,9 +345,11 @@ class Scheduler:
                 return
             victim = self.running.pop()
             self._free(victim)
+            if not self.running:
+                # Alone and still too big: the pool cannot hold this request any longer.
+                victim.finish("length", time.monotonic())
+                return [victim]
             victim.status = RequestStatus.WAITING
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
-        raise RuntimeError(
-            "KV cache too small to run even one request; raise num_blocks or memory_fraction"
-        )
+        return []

@@ -20,6 +20,9 @@ from collections.abc import Sequence
 
 import torch
 
+# Below this temperature sampling is greedy (as in vLLM): logits / T would overflow to inf.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
 
 def target_probs(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float
@@ -44,7 +47,9 @@ def target_probs(
         # descending order) stays iff the mass strictly before it is < top_p (true for j = 0)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+        drop = mass_before >= top_p
+        drop[..., 0] = False  # the top token always stays, even if top_p rounds to 0 in float32
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         sorted_probs = sorted_probs / sorted_probs.sum(dim=-1, keepdim=True)
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return probs
@@ -116,9 +121,9 @@ def verify(
     top_p: float,
     generator: torch.Generator | None,
 ) -> tuple[list[int], int]:
-    """temperature == 0 -> verify_greedy, else verify_sampling."""
+    """temperature < GREEDY_BELOW_TEMPERATURE -> verify_greedy, else verify_sampling."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature == 0:
+    if temperature < GREEDY_BELOW_TEMPERATURE:
         return verify_greedy(logits, tokens, parents)
     return verify_sampling(logits, tokens, parents, temperature, top_k, top_p, generator)
