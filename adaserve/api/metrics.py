@@ -214,6 +214,15 @@ class ServerMetrics:
             self.requests.labels(reason)
         for stage in ("draft", "select", "verify"):
             self.stage_s.labels(stage)
+        # The SLO line of each class, so dashboards can draw TPOT against it.
+        self.slo_class_bound = Gauge(
+            "adaserve_slo_class_tpot_bound_seconds",
+            "Upper bound of each SLO class's slo_tpot_ms (+Inf for an open class)",
+            cls,
+            registry=r,
+        )
+        for name, bound_ms in slo_classes:
+            self.slo_class_bound.labels(name).set(bound_ms / 1000.0)
         self._seen_preemptions = 0
 
     def slo_class(self, slo_tpot_ms: float | None) -> str:
