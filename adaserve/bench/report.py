@@ -1,0 +1,177 @@
+"""What a replay measured: per-request records, the run summary, and the comparison table.
+
+Definitions (the paper's, measured at the client):
+- TPOT of a request = (arrival of its last token - arrival of its first) / (output tokens - 1).
+- A request attains its SLO when it completed and TPOT <= slo_tpot_ms. One output token meets
+  any SLO (there is no second token to be late); a request without an SLO attains when it
+  completes; a failed request never attains.
+- SLO attainment = attaining requests / all requests sent (failures included).
+- Goodput = output tokens of attaining requests / run duration; throughput = output tokens of
+  all completed requests / run duration. The run lasts from the first send to the last reply.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+# Kept per summary so a failing server is visible without reading every record.
+MAX_ERROR_KINDS = 5
+
+
+@dataclass
+class RequestRecord:
+    """One replayed request; times are seconds from the start of the replay."""
+
+    index: int  # the request's position in the trace file
+    slo_category: str
+    slo_tpot_ms: float | None
+    max_tokens: int
+    scheduled_s: float
+    sent_s: float | None = None
+    # Arrival of every output token; tokens streamed in one chunk share its arrival time.
+    token_times_s: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    end_s: float | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int | None = None
+    server_tpot_ms: float | None = None  # what the server says it measured (ours reports it)
+
+    @property
+    def completed(self) -> bool:
+        return self.error is None and self.output_tokens > 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        if not self.token_times_s or self.sent_s is None:
+            return None
+        return self.token_times_s[0] - self.sent_s
+
+    @property
+    def tpot_ms(self) -> float | None:
+        if not self.completed or self.output_tokens < 2 or not self.token_times_s:
+            return None
+        return 1000.0 * (self.token_times_s[-1] - self.token_times_s[0]) / (self.output_tokens - 1)
+
+    @property
+    def e2e_s(self) -> float | None:
+        if self.end_s is None or self.sent_s is None:
+            return None
+        return self.end_s - self.sent_s
+
+    @property
+    def slo_attained(self) -> bool:
+        if not self.completed:
+            return False
+        tpot = self.tpot_ms
+        return self.slo_tpot_ms is None or tpot is None or tpot <= self.slo_tpot_ms
+
+    def to_json(self) -> dict:
+        """The record with its derived values, as one JSON line stores it."""
+        d = asdict(self)
+        d.update(
+            completed=self.completed,
+            ttft_ms=_ms(self.ttft_s),
+            tpot_ms=self.tpot_ms,
+            e2e_ms=_ms(self.e2e_s),
+            slo_attained=self.slo_attained,
+        )
+        return d
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else 1000.0 * seconds
+
+
+def _stats(values: Iterable[float | None], prefix: str) -> dict[str, float | None]:
+    """mean, p50, p90, p99 of the values that exist (None when there are none)."""
+    arr = np.array([v for v in values if v is not None], dtype=float)
+    if arr.size == 0:
+        return {f"{prefix}_{k}": None for k in ("mean", "p50", "p90", "p99")}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {
+        f"{prefix}_mean": float(arr.mean()),
+        f"{prefix}_p50": float(p50),
+        f"{prefix}_p90": float(p90),
+        f"{prefix}_p99": float(p99),
+    }
+
+
+def _group(records: Sequence[RequestRecord], duration_s: float) -> dict:
+    attained = [r for r in records if r.slo_attained]
+    done = [r for r in records if r.completed]
+    good_tokens = sum(r.output_tokens for r in attained)
+    tokens = sum(r.output_tokens for r in done)
+    return {
+        "requests": len(records),
+        "completed": len(done),
+        "failed": len(records) - len(done),
+        "attained": len(attained),
+        "slo_attainment": len(attained) / len(records) if records else None,
+        "output_tokens": tokens,
+        "attained_output_tokens": good_tokens,
+        "goodput_tok_s": good_tokens / duration_s if duration_s > 0 else None,
+        "throughput_tok_s": tokens / duration_s if duration_s > 0 else None,
+        **_stats((r.tpot_ms for r in done), "tpot_ms"),
+    }
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict:
+    """Attainment, goodput, throughput and latency statistics, overall and per SLO category."""
+    ends = [r.end_s for r in records if r.end_s is not None]
+    starts = [r.sent_s for r in records if r.sent_s is not None]
+    duration = max(ends) - min(starts) if ends and starts else 0.0
+    out = {"duration_s": duration, **_group(records, duration)}
+    out["request_throughput_rps"] = out["completed"] / duration if duration > 0 else None
+    out.update(_stats((_ms(r.ttft_s) for r in records if r.completed), "ttft_ms"))
+    out.update(_stats((_ms(r.e2e_s) for r in records if r.completed), "e2e_ms"))
+    errors = Counter(r.error for r in records if r.error is not None)
+    out["errors"] = dict(errors.most_common(MAX_ERROR_KINDS))
+    lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
+    # How late the client sent requests: large values mean the client, not the server, lagged.
+    out["max_send_lag_ms"] = 1000.0 * max(lags) if lags else None
+    categories: dict[str, dict] = {}
+    for name in sorted({r.slo_category for r in records}):
+        members = [r for r in records if r.slo_category == name]
+        slos = {r.slo_tpot_ms for r in members}
+        categories[name] = {
+            "slo_tpot_ms": slos.pop() if len(slos) == 1 else None,
+            **_group(members, duration),
+        }
+    out["per_category"] = categories
+    return out
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def _num(x: float | None, fmt: str = ".1f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def format_table(summaries: Sequence[dict]) -> str:
+    """A markdown table, one row per run (policy x RPS), sorted by label then RPS."""
+    cats = sorted({c for s in summaries for c in s.get("per_category", {})})
+    head = (
+        ["label", "RPS", "requests", "failed", "SLO attainment"]
+        + [f"att. {c}" for c in cats]
+        + ["goodput tok/s", "throughput tok/s", "mean TPOT ms", "p99 TTFT ms", "acc./iter"]
+    )
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in sorted(summaries, key=lambda s: (str(s.get("label")), s.get("rps") or 0.0)):
+        per = s.get("per_category", {})
+        acc = (s.get("server_metrics") or {}).get("mean_accepted_tokens_per_iteration")
+        cells = (
+            [str(s.get("label")), _num(s.get("rps"), ".2f"), str(s.get("requests"))]
+            + [str(s.get("failed")), _pct(s.get("slo_attainment"))]
+            + [_pct(per[c]["slo_attainment"]) if c in per else "-" for c in cats]
+            + [_num(s.get("goodput_tok_s")), _num(s.get("throughput_tok_s"))]
+            + [_num(s.get("tpot_ms_mean")), _num(s.get("ttft_ms_p99"), ".0f"), _num(acc, ".2f")]
+        )
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)

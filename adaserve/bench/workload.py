@@ -1,0 +1,215 @@
+"""One benchmark point: workload flags -> prepared trace -> replay -> one result line.
+
+Shared by `adaserve bench` (one server, given by URL) and `adaserve bench sweep` (servers it
+starts itself), so both write the same result records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+from adaserve.bench.replay import DEFAULT_REQUEST_TIMEOUT_S, replay
+from adaserve.bench.report import summarize
+from adaserve.bench.trace import (
+    TraceOptions,
+    TraceRequest,
+    describe_options,
+    load_trace,
+    mean_rate,
+    prepare,
+)
+
+DEFAULT_RESULTS = "bench-results.jsonl"
+# Bumped when a field of the result line changes meaning.
+RESULT_VERSION = 1
+
+
+def _rps_list(text: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be numbers separated by commas, got {text!r}"
+        ) from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"every RPS must be > 0, got {text!r}")
+    return values
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """Trace, shrinking options and outputs (the flags bench and bench sweep share)."""
+    # Not required=True: argparse would then demand it before `sweep` too; run() checks it.
+    p.add_argument(
+        "--trace", default=None, help="trace file in the AdaServe emission format (required)"
+    )
+    p.add_argument(
+        "--rps",
+        type=_rps_list,
+        default=None,
+        help="rescale arrivals to R requests/s keeping the pattern; a comma list runs one "
+        "replay per rate (default: the trace's own rate)",
+    )
+    p.add_argument("--duration", type=float, default=None, help="replay only the first S seconds")
+    p.add_argument("--max-requests", type=int, default=None, help="replay at most N requests")
+    p.add_argument(
+        "--output-length", type=int, default=None, help="cap every request's max_tokens at L"
+    )
+    slo = p.add_mutually_exclusive_group()
+    slo.add_argument(
+        "--baseline-latency-ms",
+        type=float,
+        default=None,
+        help="baseline latency that converts relative SLOs (slo_ratio > 0) to ms",
+    )
+    slo.add_argument(
+        "--profile",
+        default=None,
+        help="take the baseline latency from this `adaserve profile` JSON instead",
+    )
+    p.add_argument(
+        "--slo-scale",
+        type=float,
+        default=1.0,
+        help="multiply absolute SLOs (slo_ratio < 0) by X, e.g. for slower hardware",
+    )
+    p.add_argument("--out", default=DEFAULT_RESULTS, help="append one result line per run here")
+    p.add_argument(
+        "--requests-out",
+        default=None,
+        help="append one line per request here (default: OUT with .requests.jsonl)",
+    )
+    p.add_argument("--plot", default=None, help="draw attainment and goodput vs RPS to this PNG")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_REQUEST_TIMEOUT_S,
+        help="seconds a stream may stay silent before its request counts as failed",
+    )
+    p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def baseline_from_args(args: argparse.Namespace) -> float | None:
+    if args.profile is not None:
+        from adaserve.exec.profile import Profile
+
+        return Profile.load(args.profile).baseline_latency_ms
+    return args.baseline_latency_ms
+
+
+def load_trace_arg(args: argparse.Namespace) -> list[TraceRequest]:
+    if args.trace is None:
+        raise ValueError("--trace FILE is required (a trace in the AdaServe emission format)")
+    return load_trace(args.trace)
+
+
+def trace_options(args: argparse.Namespace, rps: float | None) -> TraceOptions:
+    return TraceOptions(
+        rps=rps,
+        duration_s=args.duration,
+        max_requests=args.max_requests,
+        output_length=args.output_length,
+        baseline_latency_ms=baseline_from_args(args),
+        slo_scale=args.slo_scale,
+    )
+
+
+def requests_path(args: argparse.Namespace) -> Path:
+    if args.requests_out is not None:
+        return Path(args.requests_out)
+    out = Path(args.out)
+    return out.with_name(out.name.removesuffix(".jsonl") + ".requests.jsonl")
+
+
+def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def run_point(
+    args: argparse.Namespace,
+    url: str,
+    trace: Sequence[TraceRequest],
+    rps: float | None,
+    label: str | None,
+    model: str | None = None,
+    extra: dict | None = None,
+) -> dict:
+    """Replay the trace once at `rps`, append its result (and its requests); returns the result."""
+    opts = trace_options(args, rps)
+    reqs = prepare(trace, opts)
+    if not reqs:
+        raise ValueError("no request is left after --duration/--max-requests; loosen them")
+    native = mean_rate([r.emission_time_ms / 1000.0 for r in trace])
+    offered = mean_rate([r.send_time_s for r in reqs])
+    desc = f"{label or 'bench'} @ {rps if rps is not None else offered or 0:.3g} rps"
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    model, records, counters = asyncio.run(
+        replay(
+            url,
+            reqs,
+            model,
+            api_key=args.api_key,
+            timeout_s=args.timeout,
+            progress=not args.no_progress,
+            desc=desc,
+        )
+    )
+    label = label or model
+    run_id = f"{label}-rps{rps if rps is not None else 'trace'}-{started}"
+    result = {
+        "version": RESULT_VERSION,
+        "run_id": run_id,
+        "label": label,
+        "url": url,
+        "model": model,
+        "trace": str(args.trace),
+        "started_at": started,
+        # The rate asked for, else the replayed requests' own (offered_rps: what was sent).
+        "rps": rps if rps is not None else offered,
+        "offered_rps": offered,
+        "trace_rps": native,
+        "options": {
+            "rps": opts.rps,
+            "duration_s": opts.duration_s,
+            "max_requests": opts.max_requests,
+            "output_length": opts.output_length,
+            "baseline_latency_ms": opts.baseline_latency_ms,
+            "slo_scale": opts.slo_scale,
+        },
+        "notes": describe_options(opts, trace),
+        **summarize(records),
+        "server_metrics": counters,
+        **(extra or {}),
+    }
+    append_jsonl(Path(args.out), [result])
+    append_jsonl(
+        requests_path(args),
+        [{"run_id": run_id, "label": label, "rps": result["rps"], **r.to_json()} for r in records],
+    )
+    return result
+
+
+def one_line(result: dict) -> str:
+    """A short human summary of one result."""
+    att, good, rps = result["slo_attainment"], result["goodput_tok_s"], result["rps"]
+    return (
+        f"{result['label']} @ {'-' if rps is None else f'{rps:.3g}'} rps: "
+        f"{result['requests']} requests, "
+        f"{result['failed']} failed, SLO attainment "
+        f"{'-' if att is None else f'{100 * att:.1f}%'}, goodput "
+        f"{'-' if good is None else f'{good:.1f}'} tok/s"
+    )
+
+
+def load_results(path: str | Path) -> list[dict]:
+    """Every result line of a results file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

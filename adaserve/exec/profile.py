@@ -1,0 +1,401 @@
+"""Latency profile of the target and draft forwards -> budget B, t_spec and the baseline latency.
+
+Measured on the machine that serves, never taken from a spec sheet:
+- target: forward latency T(tokens, context) with the tokens spread over up to `NUM_SEQS`
+  sequences, each attending to `context` cached tokens (a verification batch's shape);
+- draft: step latency over the same shapes at the budget context;
+- B: the largest token count whose forward stays within `budget_factor` x a 1-token forward
+  (at `BUDGET_CONTEXT`), interpolated between the measured powers of two;
+- baseline latency: minimal per-iteration latency of incremental decoding, batch 8, input 32,
+  output 128 (AdaServe's definition), the unit of relative SLOs (`slo_ratio` in traces).
+
+    adaserve profile [MODEL] --out profile.json [--quick]   (or python -m adaserve.exec.profile)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from adaserve.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.engine import ExecutionEngine, ModelRunner, SequenceBatchBuilder
+
+DEFAULT_BUDGET_FACTOR = 1.5
+BUDGET_CONTEXT = 256
+# A forward's tokens are spread over at most this many sequences (the paper's baseline batch).
+NUM_SEQS = 8
+
+
+@dataclass(frozen=True)
+class _Plan:
+    max_tokens: int  # target token counts: powers of two up to this
+    contexts: tuple[int, ...]
+    repeats: int  # timed runs per shape (the median counts)
+    baseline_steps: int  # decode iterations of the baseline (the paper: 128 output tokens)
+
+
+FULL = _Plan(max_tokens=256, contexts=(64, BUDGET_CONTEXT, 1024), repeats=5, baseline_steps=128)
+# Server start-up without a profile file: seconds, not minutes.
+QUICK = _Plan(max_tokens=64, contexts=(BUDGET_CONTEXT,), repeats=3, baseline_steps=16)
+DRAFT_MAX_TOKENS = 64
+BASELINE_BATCH, BASELINE_INPUT = 8, 32
+# t_spec assumes D_max draft steps per iteration: the deepest tree the scheduler grows.
+T_SPEC_DRAFT_STEPS = SchedulerConfig().max_depth
+
+
+@dataclass(frozen=True)
+class LatencyPoint:
+    tokens: int
+    context: int
+    ms: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A measured latency profile and what is derived from it."""
+
+    device: str
+    model: str
+    draft_model: str | None
+    target: tuple[LatencyPoint, ...]
+    draft: tuple[LatencyPoint, ...]
+    budget: int
+    budget_factor: float
+    budget_context: int
+    baseline_latency_ms: float
+    quick: bool = False
+    draft_steps: int = T_SPEC_DRAFT_STEPS
+    created_at: str = field(default_factory=lambda: _now())
+
+    def target_ms(self, tokens: float, context: int | None = None) -> float:
+        """Target forward latency at `tokens`, interpolated over the profile at one context."""
+        return _interp(self.target, tokens, self.budget_context if context is None else context)
+
+    def draft_ms(self, tokens: float) -> float:
+        return _interp(self.draft, tokens, self.budget_context) if self.draft else 0.0
+
+    def t_spec_s(self, tokens: float, draft_steps: int | None = None) -> float:
+        """Predicted speculative-iteration latency: draft_steps draft steps + one verify."""
+        steps = self.draft_steps if draft_steps is None else draft_steps
+        return (self.target_ms(tokens) + steps * self.draft_ms(tokens)) / 1000.0
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target"] = [asdict(p) for p in self.target]
+        d["draft"] = [asdict(p) for p in self.draft]
+        # Derived, for readers of the file; `load` recomputes it from the points.
+        d["t_spec_ms"] = [
+            {"tokens": p.tokens, "ms": 1000.0 * self.t_spec_s(p.tokens)}
+            for p in self.target
+            if p.context == self.budget_context
+        ]
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            d = json.loads(Path(path).read_text())
+            d.pop("t_spec_ms", None)
+            d["target"] = tuple(LatencyPoint(**p) for p in d["target"])
+            d["draft"] = tuple(LatencyPoint(**p) for p in d["draft"])
+            return cls(**d)
+        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(
+                f"{path} is not a profile written by `adaserve profile` ({exc}); make one with "
+                "`adaserve profile --out FILE`"
+            ) from None
+
+
+def load_profile(path: str | Path) -> tuple[int, Callable[[float], float]]:
+    """(budget B, t_spec_s(tokens)) of a saved profile."""
+    p = Profile.load(path)
+    return p.budget, p.t_spec_s
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _interp(points: Sequence[LatencyPoint], tokens: float, context: int) -> float:
+    """Piecewise-linear in tokens at the measured context nearest `context`; linear beyond."""
+    ctx = min({p.context for p in points}, key=lambda c: (abs(c - context), c))
+    pts = sorted((p.tokens, p.ms) for p in points if p.context == ctx)
+    if len(pts) == 1 or tokens <= pts[0][0]:
+        return pts[0][1]
+    for (t0, m0), (t1, m1) in zip(pts, pts[1:]):
+        if tokens <= t1 or (t1, m1) == pts[-1]:
+            return m0 + (tokens - t0) * (m1 - m0) / (t1 - t0)
+    raise AssertionError("unreachable")
+
+
+def derive_budget(latency_ms: dict[int, float], factor: float) -> int:
+    """Largest token count whose latency stays within `factor` x the 1-token latency.
+
+    Walks up the measured counts and stops at the first one over the limit (a later point
+    dipping back under it is noise, not headroom), interpolating linearly inside that step.
+    """
+    counts = sorted(latency_ms)
+    if not counts or counts[0] != 1:
+        raise ValueError("the profile needs a 1-token measurement to derive the budget")
+    limit = factor * latency_ms[1]
+    budget = 1
+    for lo, hi in zip(counts, counts[1:]):
+        if latency_ms[hi] <= limit:
+            budget = hi
+            continue
+        rise = latency_ms[hi] - latency_ms[lo]
+        if rise > 0:
+            budget = max(budget, int(lo + (limit - latency_ms[lo]) * (hi - lo) / rise))
+        break
+    return budget
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _split(tokens: int, num_seqs: int) -> list[int]:
+    n = min(tokens, num_seqs)
+    return [tokens // n + (i < tokens % n) for i in range(n)]
+
+
+def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -> float | None:
+    """Median ms of one forward of `tokens` new tokens over `context` cached ones per sequence.
+
+    None when the KV pool cannot hold the shape. KV is reserved for the run and released after.
+    """
+    cache, vocab = runner.cache, runner.model.args.vocab_size
+    lens = _split(tokens, NUM_SEQS)
+    if sum(cache.blocks_needed([], context + q) for q in lens) > cache.allocator.num_free:
+        return None
+    tables: list[list[int]] = [[] for _ in lens]
+    try:
+        builder = SequenceBatchBuilder()
+        for table, q in zip(tables, lens):
+            cache.reserve(table, context + q)
+            ids = [(context + i) % vocab for i in range(q)]  # any in-vocabulary ids will do
+            builder.add(ids, list(range(context, context + q)), context + q, table)
+        samples = []
+        for i in range(repeats + 1):  # the first run warms this shape up and is not counted
+            _sync(runner.device)
+            start = time.perf_counter()
+            runner.forward(builder.batch)
+            _sync(runner.device)
+            if i:
+                samples.append(1000.0 * (time.perf_counter() - start))
+        return statistics.median(samples)
+    finally:
+        for table in tables:
+            cache.release(table)
+
+
+def baseline_latency_ms(runner: ModelRunner, steps: int) -> float:
+    """Minimal per-iteration latency of incremental decoding (batch 8, input 32, `steps` out).
+
+    Each iteration is a 1-token-per-sequence forward plus the greedy pick that a real
+    iteration's sampler makes (its host copy is where a GPU iteration really ends).
+    """
+    cache, vocab = runner.cache, runner.model.args.vocab_size
+    tables: list[list[int]] = [[] for _ in range(BASELINE_BATCH)]
+    total = BASELINE_INPUT + steps
+    if BASELINE_BATCH * cache.blocks_needed([], total) > cache.allocator.num_free:
+        raise ValueError(
+            f"the KV pool ({cache.num_blocks} blocks) cannot hold the baseline batch "
+            f"({BASELINE_BATCH} x {total} tokens); give it more blocks"
+        )
+    try:
+        prefill = SequenceBatchBuilder()
+        for t in tables:
+            cache.reserve(t, total)
+            prefill.add(
+                [i % vocab for i in range(1, BASELINE_INPUT + 1)],
+                list(range(BASELINE_INPUT)),
+                BASELINE_INPUT,
+                t,
+                logits="last",
+            )
+        last = runner.forward(prefill.batch).argmax(-1).tolist()  # type: ignore[union-attr]
+        best = float("inf")
+        for pos in range(BASELINE_INPUT, total):
+            step = SequenceBatchBuilder()
+            for t, tok in zip(tables, last):
+                step.add([tok], [pos], pos + 1, t)
+            _sync(runner.device)
+            start = time.perf_counter()
+            last = runner.forward(step.batch).argmax(-1).tolist()  # type: ignore[union-attr]
+            best = min(best, 1000.0 * (time.perf_counter() - start))
+        return best
+    finally:
+        for t in tables:
+            cache.release(t)
+
+
+def _token_counts(max_tokens: int) -> list[int]:
+    counts = [1]
+    while counts[-1] * 2 <= max_tokens:
+        counts.append(counts[-1] * 2)
+    return counts
+
+
+def profile_engine(
+    engine: ExecutionEngine,
+    quick: bool = False,
+    progress: bool = True,
+    budget_factor: float = DEFAULT_BUDGET_FACTOR,
+    max_tokens: int | None = None,
+    contexts: Sequence[int] | None = None,
+) -> Profile:
+    """Measure the engine's target (and draft) and derive B, t_spec and the baseline latency.
+
+    `quick` (server start-up): one context, tokens up to 64, 1 timed run per shape, 16
+    baseline steps. `max_tokens` and `contexts` override the plan's grid.
+    """
+    plan = QUICK if quick else FULL
+    max_tokens = max_tokens or plan.max_tokens
+    ctxs = sorted({*(contexts or plan.contexts), BUDGET_CONTEXT})
+    # A sequence holds context + its share of the tokens; longer ones the model cannot run.
+    longest = _split(max_tokens, NUM_SEQS)[0]
+    ctxs = [c for c in ctxs if c + longest <= engine.max_model_len] or [0]
+    counts = _token_counts(max_tokens)
+    budget_ctx = min(ctxs, key=lambda c: (abs(c - BUDGET_CONTEXT), c))
+    jobs = [("target", engine.target, t, c) for c in ctxs for t in counts]
+    if engine.draft is not None:
+        jobs += [("draft", engine.draft, t, budget_ctx) for t in _token_counts(DRAFT_MAX_TOKENS)]
+    bar = tqdm(total=len(jobs) + 1, desc="profiling", unit="shape", disable=not progress)
+    points: dict[str, list[LatencyPoint]] = {"target": [], "draft": []}
+    try:
+        for _ in range(3):  # first forwards allocate and pick kernels: keep them out of the numbers
+            time_forward(engine.target, 1, 0, 1)
+        for which, runner, tokens, ctx in jobs:
+            ms = time_forward(runner, tokens, ctx, plan.repeats)
+            if ms is not None:  # shapes the KV pool cannot hold are left out
+                points[which].append(LatencyPoint(tokens, ctx, ms))
+            bar.update()
+        baseline = baseline_latency_ms(engine.target, plan.baseline_steps)
+        bar.update()
+    finally:
+        bar.close()
+    at_budget_ctx = {p.tokens: p.ms for p in points["target"] if p.context == budget_ctx}
+    device = engine.target.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return Profile(
+        device=f"{device} ({name})" if device.type == "cuda" else "cpu",
+        model=engine.target_path.name,
+        draft_model=engine.draft_path.name if engine.draft_path is not None else None,
+        target=tuple(points["target"]),
+        draft=tuple(points["draft"]),
+        budget=derive_budget(at_budget_ctx, budget_factor),
+        budget_factor=budget_factor,
+        budget_context=budget_ctx,
+        baseline_latency_ms=baseline,
+        quick=quick,
+    )
+
+
+def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile:
+    """The quick profile the server runs at start-up, cached per (models, device, dtype)."""
+    from adaserve.exec.loader import cache_root
+
+    dtype = str(next(engine.target.model.parameters()).dtype).removeprefix("torch.")
+    draft = engine.draft_path.name if engine.draft_path is not None else "none"
+    key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
+    path = cache_root() / "profiles" / f"{key}.json"
+    if path.exists():
+        try:
+            return Profile.load(path)
+        except ValueError:
+            pass  # written by another version: measure again
+    prof = profile_engine(engine, quick=True, progress=progress)
+    prof.save(path)
+    return prof
+
+
+# ---------------------------------------------------------------------------- command line
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    m, c = ModelConfig(), CacheConfig()
+    p.add_argument("model", nargs="?", default=m.model, help="default: SmolLM2-135M-Instruct")
+    p.add_argument("--draft-model", default=m.draft_model, help="draft checkpoint to profile")
+    p.add_argument("--no-draft", action="store_true", help="profile the target only")
+    p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
+    p.add_argument("--device", default=m.device, help="cpu or cuda[:N]")
+    p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks to use")
+    p.add_argument("--out", default="profile.json", help="where to write the profile")
+    p.add_argument("--quick", action="store_true", help="the short start-up profile")
+    p.add_argument(
+        "--budget-factor",
+        type=float,
+        default=DEFAULT_BUDGET_FACTOR,
+        help="B = largest token count whose forward takes <= this x a 1-token forward",
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="largest token count measured")
+    p.add_argument(
+        "--contexts", default=None, help="comma list of context lengths (default: 64,256,1024)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.budget_factor > 1.0:
+        raise ValueError(f"--budget-factor must be > 1, got {args.budget_factor}")
+    # The default target brings its own draft; another target profiles a draft only if named.
+    need_draft = not args.no_draft and (args.draft_model is not None or args.model is None)
+    engine = ExecutionEngine(
+        ModelConfig(
+            model=args.model,
+            draft_model=None if args.no_draft else args.draft_model,
+            dtype=args.dtype,
+            device=args.device,
+        ),
+        CacheConfig(num_blocks=args.num_blocks),
+        need_draft=need_draft,
+    )
+    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else None
+    prof = profile_engine(
+        engine,
+        quick=args.quick,
+        progress=not args.no_progress,
+        budget_factor=args.budget_factor,
+        max_tokens=args.max_tokens,
+        contexts=contexts,
+    )
+    path = prof.save(args.out)
+    if prof.budget >= max(p.tokens for p in prof.target):
+        print("note: B is the largest count measured; raise --max-tokens to find the real one")
+    print(
+        f"{prof.model} on {prof.device}: budget B = {prof.budget} tokens (x{prof.budget_factor:g} "
+        f"of a 1-token forward, context {prof.budget_context}), baseline latency "
+        f"{prof.baseline_latency_ms:.2f} ms, t_spec(B) {1000 * prof.t_spec_s(prof.budget):.2f} ms"
+        f"\nwrote {path}"
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="adaserve profile", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    try:
+        return run(p.parse_args(argv))
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"adaserve profile: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Smoke runs against live servers: `adaserve bench` on 10 requests of the shared trace (default
+model), and `adaserve bench sweep` over two policies on a tiny model. Every request must be
+accounted for and every result line complete."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adaserve.bench import command
+from adaserve.bench.workload import load_results
+from tests.e2e.harness import serve_subprocess
+
+pytestmark = pytest.mark.slow
+
+WORKLOADS = Path(__file__).parents[2].parent / "shared" / "workloads"
+TRACE = WORKLOADS / "mixed_rps3.0_ol256.json"
+NUM_REQUESTS, OUTPUT_LENGTH = 10, 8
+
+RESULT_KEYS = {
+    "run_id", "label", "url", "model", "trace", "started_at", "rps", "offered_rps", "options",
+    "notes", "duration_s", "requests", "completed", "failed", "attained", "slo_attainment",
+    "per_category", "goodput_tok_s", "throughput_tok_s", "output_tokens", "tpot_ms_mean",
+    "ttft_ms_p99", "errors", "server_metrics", "max_send_lag_ms",
+}  # fmt: skip
+
+
+def check_result(result: dict, requests: list[dict], n: int, tokens: int) -> None:
+    missing = RESULT_KEYS - set(result)
+    assert not missing, f"result line lacks {sorted(missing)}"
+    assert result["requests"] == n and result["failed"] == 0, result["errors"]
+    assert sum(c["requests"] for c in result["per_category"].values()) == n
+    assert result["output_tokens"] == n * tokens, "ignore_eos: every request gives max_tokens"
+    assert 0.0 <= result["slo_attainment"] <= 1.0
+    assert result["goodput_tok_s"] <= result["throughput_tok_s"] + 1e-9
+    counters = result["server_metrics"]
+    assert counters is not None and counters["decode_iterations"] > 0, counters
+    mine = [r for r in requests if r["run_id"] == result["run_id"]]
+    assert len(mine) == n, f"{len(mine)} request records for {n} requests"
+    for r in mine:
+        assert r["completed"] and r["output_tokens"] == tokens, r
+        assert len(r["token_times_s"]) == tokens and r["tpot_ms"] is not None
+
+
+def test_bench_replays_ten_trace_requests_against_adaserve_serve(tmp_path: Path) -> None:
+    if not TRACE.exists():
+        pytest.skip(f"shared workload {TRACE} is not on this machine")
+    out = tmp_path / "results.jsonl"
+    with serve_subprocess("--policy", "incremental") as url:
+        rc = command.main(
+            ["--url", url, "--trace", str(TRACE), "--max-requests", str(NUM_REQUESTS)]
+            + ["--output-length", str(OUTPUT_LENGTH), "--rps", "5", "--baseline-latency-ms", "100"]
+            + ["--out", str(out), "--plot", str(tmp_path / "fig.png"), "--no-progress"]
+        )
+    assert rc == 0
+    (result,) = load_results(out)
+    requests = load_results(tmp_path / "results.requests.jsonl")
+    check_result(result, requests, NUM_REQUESTS, OUTPUT_LENGTH)
+    assert sorted(r["index"] for r in requests) == list(range(NUM_REQUESTS))
+    assert set(result["per_category"]) <= {"ratio=1.2", "abs=50ms", "abs=150ms"}
+    assert any("--output-length" in n for n in result["notes"]), result["notes"]
+    assert (tmp_path / "fig.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_runs_every_policy_at_every_rate(tiny_llama: Path, tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "trace.json"
+    entries = [
+        {"emission_time_ms": 100.0 * i, "prompt": "t5 t6 t7 t8", "output_length": 6}
+        | {"slo_ratio": -50.0 if i % 2 else 2.0}
+        for i in range(3)
+    ]
+    trace.write_text(json.dumps(entries))
+    out = tmp_path / "sweep.jsonl"
+    rc = command.main(
+        ["sweep", "--model", str(tiny_llama), "--draft-model", str(tiny_llama)]
+        + ["--policies", "incremental,sequence", "--rps", "5,20", "--trace", str(trace)]
+        + ["--baseline-latency-ms", "40", "--server-args", "--num-blocks 64 --max-model-len 256"]
+        + ["--out", str(out), "--server-log-dir", str(tmp_path / "logs"), "--no-progress"]
+    )
+    assert rc == 0, capsys.readouterr().err
+    results = load_results(out)
+    assert [(r["label"], r["rps"]) for r in results] == [
+        ("incremental", 5.0),
+        ("incremental", 20.0),
+        ("sequence", 5.0),
+        ("sequence", 20.0),
+    ]
+    requests = load_results(tmp_path / "sweep.requests.jsonl")
+    for r in results:
+        check_result(r, requests, 3, 6)
+    spec = results[2]["server_metrics"]
+    assert spec["draft_tokens"] > 0, f"the sequence policy's server did not speculate: {spec}"
+    table = capsys.readouterr().out
+    assert "| incremental | 5.00 |" in table and "| sequence | 20.00 |" in table, table
+    assert (tmp_path / "sweep.png").exists(), "the sweep draws its plot by default"

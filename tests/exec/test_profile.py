@@ -1,0 +1,85 @@
+"""Latency profile: budget derivation with known answers, and a real (tiny-model) profile run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from adaserve.config import CacheConfig, ModelConfig
+from adaserve.exec.engine import ExecutionEngine
+from adaserve.exec.profile import (
+    LatencyPoint,
+    Profile,
+    derive_budget,
+    load_profile,
+    profile_engine,
+)
+
+
+def test_budget_is_the_last_count_within_the_factor_interpolated() -> None:
+    flat_then_linear = {1: 10.0, 2: 10.0, 4: 10.5, 8: 11.0, 16: 14.0, 32: 20.0}
+    # Limit 1.5 x 10 = 15 ms: 16 tokens (14 ms) fit, 32 (20 ms) do not; 15 ms lies at 1/6 of
+    # the way from 16 to 32 tokens -> 16 + 16/6 = 18.67 -> 18.
+    assert derive_budget(flat_then_linear, 1.5) == 18
+    assert derive_budget(flat_then_linear, 3.0) == 32, "all within the factor: the largest count"
+    assert derive_budget({1: 10.0, 2: 30.0}, 1.2) == 1, "never below one token"
+
+
+def test_budget_stops_at_the_first_crossing() -> None:
+    noisy = {1: 10.0, 2: 11.0, 4: 30.0, 8: 12.0}  # 8 dipping back under the limit is noise
+    assert derive_budget(noisy, 1.5) == 2
+    with pytest.raises(ValueError, match="1-token"):
+        derive_budget({2: 1.0, 4: 2.0}, 1.5)
+
+
+def synthetic_profile() -> Profile:
+    target = tuple(LatencyPoint(t, 256, 10.0 + t) for t in (1, 2, 4, 8))
+    target += tuple(LatencyPoint(t, 1024, 20.0 + t) for t in (1, 2, 4, 8))
+    draft = tuple(LatencyPoint(t, 256, 1.0 + 0.5 * t) for t in (1, 2, 4, 8))
+    return Profile("cpu", "m", "d", target, draft, 5, 1.5, 256, 12.5, draft_steps=2)
+
+
+def test_t_spec_interpolates_target_and_draft() -> None:
+    p = synthetic_profile()
+    assert p.target_ms(3) == pytest.approx(13.0)
+    assert p.target_ms(3, context=1000) == pytest.approx(23.0), "nearest measured context"
+    assert p.target_ms(16) == pytest.approx(26.0), "linear beyond the last point"
+    # verify(6) + 2 draft steps(6) = 16 + 2 x 4 ms.
+    assert p.t_spec_s(6) == pytest.approx(0.024)
+    assert p.t_spec_s(6, draft_steps=0) == pytest.approx(0.016)
+
+
+def test_save_load_round_trip(tmp_path: Path) -> None:
+    p = synthetic_profile()
+    path = p.save(tmp_path / "p.json")
+    data = json.loads(path.read_text())
+    for key in ("device", "model", "target", "draft", "budget", "budget_factor"):
+        assert key in data, f"profile JSON lacks {key}"
+    assert data["t_spec_ms"][0] == {"tokens": 1, "ms": pytest.approx(11.0 + 2 * 1.5)}
+    assert Profile.load(path) == p, "a saved profile does not load back equal"
+    budget, t_spec_s = load_profile(path)
+    assert budget == 5 and t_spec_s(6) == pytest.approx(0.024)
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="adaserve profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_profile_of_a_tiny_engine(tiny_llama: Path) -> None:
+    engine = ExecutionEngine(
+        ModelConfig(model=str(tiny_llama), draft_model=str(tiny_llama)),
+        CacheConfig(block_size=16, num_blocks=256),
+        need_draft=True,
+    )
+    prof = profile_engine(engine, quick=True, progress=False, max_tokens=16)
+    got = {(p.tokens, p.context) for p in prof.target}
+    assert got == {(t, 256) for t in (1, 2, 4, 8, 16)}, got
+    assert [p.tokens for p in prof.draft] == [1, 2, 4, 8, 16, 32, 64]
+    assert all(p.ms > 0 for p in prof.target + prof.draft)
+    assert 1 <= prof.budget <= 16
+    # B is within the factor of the 1-token forward, by its own measurements.
+    assert prof.target_ms(prof.budget) <= prof.budget_factor * prof.target_ms(1) + 1e-9
+    assert prof.baseline_latency_ms > 0
+    for runner in (engine.target, engine.draft):
+        assert runner is not None and runner.cache.allocator.num_used == 0, "profiling leaked KV"
