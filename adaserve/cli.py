@@ -76,7 +76,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
         help="most requests in the running batch",
     )
     p.add_argument(
-        "--budget", type=int, default=s.budget, help="B: tokens verified per target forward"
+        "--budget",
+        type=int,
+        default=None,
+        help="B: tokens verified per target forward (serve: from --profile or a start-up "
+        f"profile; elsewhere {s.budget})",
     )
     p.add_argument(
         "--num-blocks",
@@ -101,7 +105,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         block_size=a.block_size,
         num_blocks=a.num_blocks,
         max_num_seqs=a.max_num_seqs,
-        budget=a.budget,
+        budget=a.budget if a.budget is not None else SchedulerConfig.budget,
     )
 
 
@@ -135,6 +139,12 @@ def _slo_classes(text: str) -> tuple[tuple[str, float], ...]:
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     d = ServerConfig()
     add_engine_arguments(p, ServerConfig.policy)
+    p.add_argument(
+        "--profile",
+        default=None,
+        help="latency profile from `adaserve profile` for B and t_spec (default: a short "
+        "profile at first start-up, cached; skipped when --budget is given)",
+    )
     p.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, default=d.port, help="TCP port")
     p.add_argument(
@@ -189,6 +199,18 @@ def run_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
+    if a.policy != "incremental" and a.budget is None:
+        # B and t_spec come from measured latency, not a guess (an explicit --budget wins).
+        from adaserve.exec.profile import Profile, startup_profile
+
+        prof = Profile.load(a.profile) if a.profile else startup_profile(engine.engine)
+        engine.apply_profile(prof.budget, prof.t_spec_s(prof.budget))
+        logging.getLogger("adaserve").info(
+            "budget B = %d, t_spec = %.1f ms (%s)",
+            prof.budget,
+            1000 * prof.t_spec_s(prof.budget),
+            a.profile or "start-up profile",
+        )
     cfg = ServerConfig(
         host=a.host,
         port=a.port,
@@ -244,6 +266,21 @@ def run_generate(a: argparse.Namespace) -> int:
 register("serve", "run the OpenAI-compatible HTTP server", add_serve_arguments, run_serve)
 register(
     "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
+)
+from adaserve.bench import command as bench_command  # noqa: E402
+from adaserve.exec import profile as exec_profile  # noqa: E402
+
+register(
+    "profile",
+    "measure forward latencies; write the budget B, t_spec and the baseline latency",
+    exec_profile.add_arguments,
+    exec_profile.run,
+)
+register(
+    "bench",
+    "replay a trace against an OpenAI-compatible server (`bench sweep`: every policy x RPS)",
+    bench_command.add_arguments,
+    bench_command.run,
 )
 
 

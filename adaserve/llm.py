@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.engine import ExecutionEngine
@@ -29,6 +29,13 @@ class LLMEngine:
         self.tokenizer = self.engine.tokenizer
         self.scheduler = Scheduler(sched_cfg, self.engine)
         self._ids = itertools.count()
+
+    def apply_profile(self, budget: int, t_spec_s: float) -> None:
+        """Use a measured budget B and initial t_spec (only while no request is in flight)."""
+        if self.has_unfinished():
+            raise RuntimeError("apply_profile needs an idle engine")
+        self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
+        self.scheduler = Scheduler(self.sched_cfg, self.engine)
 
     @property
     def max_model_len(self) -> int:

@@ -108,7 +108,8 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if serving.draining or not async_engine.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        sched = engine.sched_cfg  # frozen: safe to read from this thread
+        return JSONResponse({"status": "ok", "policy": sched.policy, "budget": sched.budget})
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
