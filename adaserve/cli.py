@@ -268,6 +268,7 @@ register(
     "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
 )
 from adaserve.bench import command as bench_command  # noqa: E402
+from adaserve.distill import cli as distill_cli  # noqa: E402
 from adaserve.exec import profile as exec_profile  # noqa: E402
 
 register(
@@ -275,6 +276,12 @@ register(
     "measure forward latencies; write the budget B, t_spec and the baseline latency",
     exec_profile.add_arguments,
     exec_profile.run,
+)
+register(
+    "distill",
+    "train a draft model for a target by distillation (KL to the target on its own text)",
+    distill_cli.add_arguments,
+    distill_cli.run,
 )
 register(
     "bench",
