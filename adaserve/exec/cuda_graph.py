@@ -1,0 +1,200 @@
+"""CUDA graphs for draft steps 2..d: captured once per (request-count bucket, width), replayed.
+
+Steps 2..d of speculation feed `width` frontier nodes for each of R requests, with tree masks:
+the same shapes step after step and iteration after iteration; only R changes. A step's batch
+is padded to the smallest bucket >= R with dummy requests (their tokens write KV into blocks
+reserved for them, their outputs are dropped) and replayed from the graph of (bucket, width).
+
+KV lengths need no bucket: in CUDA-graph mode FlashInfer sizes the kernel grid from the batch
+size and token count alone, and its index and mask buffers are sized for the whole KV pool,
+so one graph serves every context length (attention/flashinfer.py).
+
+Captured: embedding, every decoder layer (K/V writes and attention kernels included) and the
+final norm. On the host before each replay: the attention plan and copying token ids and
+positions into the graph's input buffers. After it, eagerly: the LM head over the real rows
+(one GEMM; capturing it would keep a [tokens, vocab] buffer per graph alive).
+Verification stays eager: its token count is whatever the selection chose this iteration.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # engine.py may import this module; keep the import one-way at run time
+    from adaserve.exec.engine import ForwardBatch, ModelRunner
+
+# Eager runs before capturing: JIT kernels load, cuBLAS picks its algorithms, the allocator warms.
+WARMUP_RUNS = 2
+
+
+def request_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """Request counts to capture: 1, 2, 4, then every 8 up to max_num_seqs (always included).
+
+    Padding costs at most 2x the requests below 8 and at most 7 dummy requests above.
+    """
+    if max_num_seqs <= 0:
+        raise ValueError(f"max_num_seqs must be > 0, got {max_num_seqs}")
+    small = [b for b in (1, 2, 4) if b < max_num_seqs]
+    return tuple(sorted({*small, *range(8, max_num_seqs, 8), max_num_seqs}))
+
+
+def choose_bucket(num_requests: int, buckets: Sequence[int]) -> int | None:
+    """Smallest bucket >= num_requests (buckets sorted ascending); None if none is that large."""
+    if num_requests <= 0:
+        raise ValueError(f"num_requests must be > 0, got {num_requests}")
+    i = bisect.bisect_left(buckets, num_requests)
+    return buckets[i] if i < len(buckets) else None
+
+
+def pad_batch(
+    batch: ForwardBatch, num_seqs: int, width: int, dummy_table: list[int]
+) -> ForwardBatch:
+    """`batch` plus dummy sequences up to `num_seqs`: `width` tokens each, KV in `dummy_table`.
+
+    A dummy sequence is `width` causal tokens at KV indices [0, width) of `dummy_table`; every
+    dummy shares that table, so their K/V writes collide there, harmlessly.
+    """
+    extra = num_seqs - len(batch.query_lens)
+    if extra < 0:
+        raise ValueError(f"batch has {len(batch.query_lens)} sequences, more than {num_seqs}")
+    return replace(
+        batch,
+        token_ids=batch.token_ids + [0] * (extra * width),
+        positions=batch.positions + list(range(width)) * extra,
+        query_lens=batch.query_lens + [width] * extra,
+        kv_lens=batch.kv_lens + [width] * extra,
+        block_tables=batch.block_tables + [dummy_table] * extra,
+        masks=batch.masks + [None] * extra,
+        logits_indices=None,
+    )
+
+
+def step_width(batch: ForwardBatch) -> int | None:
+    """The common query length of a draft-step batch that wants every logit; None otherwise."""
+    widths = set(batch.query_lens)
+    every_logit = batch.logits_indices is None or list(batch.logits_indices) == list(
+        range(len(batch.token_ids))
+    )
+    return widths.pop() if len(widths) == 1 and every_logit else None
+
+
+def _check_runner(runner: ModelRunner) -> None:
+    if runner.device.type != "cuda" or not runner.backend.supports_cuda_graphs():
+        raise ValueError(
+            "CUDA graphs need a CUDA runner whose attention backend supports them "
+            f"(flashinfer); got {type(runner.backend).__name__} on {runner.device}"
+        )
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph  # replay() reruns the captured forward
+    input_ids: torch.Tensor  # [bucket * width] int64, cuda (static input)
+    positions: torch.Tensor  # [bucket * width] int64, cuda (static input)
+    hidden: torch.Tensor  # [bucket * width, hidden_size], cuda (static output)
+
+
+class DraftGraphRunner:
+    """Replays captured draft forwards for step batches; `forward` equals `runner.forward`."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_num_seqs: int,
+        max_width: int,
+        buckets: Sequence[int] | None = None,
+    ) -> None:
+        _check_runner(runner)
+        backend = runner.backend
+        # The FlashInfer backend plans before the first layer runs, so it must know the query
+        # heads up front (eagerly it learns them from the first forward).
+        if getattr(backend, "num_qo_heads", 0) is None:
+            backend.num_qo_heads = runner.model.args.num_heads  # type: ignore[attr-defined]
+        self.runner = runner
+        self.max_width = max_width
+        self.buckets = tuple(sorted(buckets)) if buckets else request_buckets(max_num_seqs)
+        # Blocks for the dummy requests' KV, taken from the pool for the runner's lifetime.
+        blocks = -(-max_width // runner.cache.block_size)
+        self._dummy_table = runner.cache.allocator.allocate(blocks)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
+
+    def covers(self, batch: ForwardBatch) -> bool:
+        """Whether `batch` is a step batch this runner can replay."""
+        width = step_width(batch)
+        return (
+            width is not None
+            and width <= self.max_width
+            and choose_bucket(len(batch.query_lens), self.buckets) is not None
+        )
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """float32 logits [len(batch.token_ids), vocab], as runner.forward(batch) returns."""
+        width = step_width(batch)
+        bucket = choose_bucket(len(batch.query_lens), self.buckets)
+        if width is None or width > self.max_width or bucket is None:
+            raise ValueError("batch is not a draft-step shape this runner covers; see covers()")
+        g = self._graphs.get((bucket, width)) or self.capture(bucket, width, batch)
+        padded = pad_batch(batch, bucket, width, self._dummy_table)
+        self.runner.backend.prepare_for_replay(padded.metadata())
+        g.input_ids.copy_(torch.tensor(padded.token_ids, dtype=torch.long), non_blocking=True)
+        g.positions.copy_(torch.tensor(padded.positions, dtype=torch.long), non_blocking=True)
+        g.graph.replay()
+        return self.runner.model.compute_logits(g.hidden[: len(batch.token_ids)])
+
+    @torch.inference_mode()
+    def capture(self, bucket: int, width: int, like: ForwardBatch) -> _Graph:
+        """Capture the forward of `bucket` requests x `width` tokens (`like`: any ForwardBatch)."""
+        empty = replace(
+            like,
+            token_ids=[],
+            positions=[],
+            query_lens=[],
+            kv_lens=[],
+            block_tables=[],
+            masks=[],
+            logits_indices=None,
+        )
+        meta = pad_batch(empty, bucket, width, self._dummy_table).metadata()
+        runner, dev = self.runner, self.runner.device
+        n = bucket * width
+        ids = torch.zeros(n, dtype=torch.long, device=dev)
+        pos = torch.arange(n, dtype=torch.long, device=dev) % width
+        runner.backend.prepare_for_capture(n, meta)
+        graph, hidden = self._record(lambda: runner.model(ids, pos, runner.backend))
+        g = _Graph(graph, ids, pos, hidden)  # hidden: [n, hidden_size]
+        self._graphs[(bucket, width)] = g
+        return g
+
+    def _record(self, fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """Run `fn` eagerly on a side stream, then capture it; (graph, its static output)."""
+        dev = self.runner.device
+        side = torch.cuda.Stream(dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                fn()
+        torch.cuda.current_stream(dev).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out = fn()
+        if self._pool is None:
+            self._pool = graph.pool()
+        return graph, out
+
+    def close(self) -> None:
+        """Drop the graphs and give the dummy requests' KV blocks back."""
+        self._graphs.clear()
+        if self._dummy_table:
+            self.runner.cache.allocator.free(self._dummy_table)
+            self._dummy_table = []

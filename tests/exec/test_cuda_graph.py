@@ -1,0 +1,216 @@
+"""Draft-step CUDA graphs: bucket choice and padding (CPU); replay equals eager (CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaserve.exec import cuda_graph
+from adaserve.exec.attention.torch_ref import TorchAttentionBackend
+from adaserve.exec.cuda_graph import (
+    DraftGraphRunner,
+    choose_bucket,
+    pad_batch,
+    request_buckets,
+    step_width,
+)
+from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder
+from adaserve.exec.kv_cache import KVCache
+from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
+from tests.exec.test_flashinfer import fake_fi, fi  # noqa: F401  (fixtures: FlashInfer stand-in)
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# head_dim 64: a size FlashInfer's kernels are built for
+ARGS = LlamaArgs(
+    architecture="LlamaForCausalLM",
+    vocab_size=96,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=512,
+    rope_theta=10000.0,
+    rope_scaling=None,
+    qkv_bias=False,
+    tie_word_embeddings=True,
+    sliding_window=None,
+)
+
+
+# ------------------------------------------------------------------ buckets (CPU)
+@pytest.mark.parametrize("max_num_seqs", [1, 3, 8, 13, 64, 256])
+def test_request_buckets_cover_every_count_with_bounded_padding(max_num_seqs: int) -> None:
+    buckets = request_buckets(max_num_seqs)
+    assert list(buckets) == sorted(set(buckets)) and buckets[-1] == max_num_seqs
+    for n in range(1, max_num_seqs + 1):
+        b = choose_bucket(n, buckets)
+        assert b is not None and b >= n, f"{n} requests got bucket {b}"
+        smaller = [x for x in buckets if n <= x < b]
+        assert not smaller, f"{n} requests got {b}, though {smaller[0]} fits"
+        assert b <= 2 * n or b - n < 8, f"{n} requests padded to {b}: too much padding"
+    assert choose_bucket(max_num_seqs + 1, buckets) is None
+
+
+def test_choose_bucket_rejects_nonpositive_counts() -> None:
+    with pytest.raises(ValueError, match="num_requests"):
+        choose_bucket(0, (1, 2))
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        request_buckets(0)
+
+
+def step_batch(kv_lens: list[int], tables: list[list[int]], width: int):
+    """A draft step: `width` chained nodes per sequence after kv_len - width cached tokens."""
+    builder = SequenceBatchBuilder()
+    for i, (kv, table) in enumerate(zip(kv_lens, tables)):
+        ctx = kv - width
+        mask = torch.zeros(width, kv, dtype=torch.bool)
+        mask[:, :ctx] = True
+        mask[:, ctx:] = torch.ones(width, width, dtype=torch.bool).tril()
+        ids = [(5 * i + j) % 90 + 2 for j in range(width)]
+        builder.add(ids, [ctx + j for j in range(width)], kv, table, mask=mask)
+    return builder.batch
+
+
+def test_pad_batch_appends_dummy_sequences_only() -> None:
+    batch = step_batch([10, 20, 7], [[3], [4, 5], [6]], width=2)
+    padded = pad_batch(batch, 8, 2, dummy_table=[9])
+    assert padded.query_lens == [2] * 8 and padded.kv_lens[:3] == [10, 20, 7]
+    assert padded.token_ids[:6] == batch.token_ids and padded.positions[:6] == batch.positions
+    assert padded.block_tables[:3] == [[3], [4, 5], [6]]
+    assert all(t == [9] for t in padded.block_tables[3:]), "dummies must use the dummy table"
+    assert padded.kv_lens[3:] == [2] * 5 and padded.masks[3:] == [None] * 5
+    assert padded.logits_indices is None
+    assert len(batch.query_lens) == 3, "pad_batch must not change its input"
+    with pytest.raises(ValueError):
+        pad_batch(batch, 2, 2, [9])
+
+
+def test_step_width_accepts_only_uniform_all_logit_batches() -> None:
+    batch = step_batch([10, 20], [[3], [4, 5]], width=3)
+    assert step_width(batch) == 3
+    ragged = SequenceBatchBuilder()
+    ragged.add([1, 2], [0, 1], 2, [0])
+    ragged.add([1], [0], 1, [1])
+    assert step_width(ragged.batch) is None
+    last_only = SequenceBatchBuilder()
+    last_only.add([1, 2], [0, 1], 2, [0], logits="last")
+    assert step_width(last_only.batch) is None
+
+
+def test_runner_refuses_backends_without_graph_support() -> None:
+    cache = KVCache(2, 8, 16, 2, 64, torch.float32, "cpu")
+    runner = ModelRunner(LlamaForCausalLM(ARGS), cache, TorchAttentionBackend(cache))
+    with pytest.raises(ValueError, match="CUDA graphs"):
+        DraftGraphRunner(runner, max_num_seqs=4, max_width=4)
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on the CPU: replay reruns the forward into the static output."""
+
+    def __init__(self, fn, out: torch.Tensor) -> None:
+        self.fn, self.out = fn, out
+
+    def replay(self) -> None:
+        self.out.copy_(self.fn())
+
+
+def _eager_record(self, fn):
+    out = fn()
+    return _EagerGraph(fn, out), out
+
+
+def test_runner_wiring_on_cpu(fake_fi, monkeypatch) -> None:  # noqa: F811
+    """Padding, static buffers, plan-before-replay and slicing, with graphs replaced by reruns."""
+    monkeypatch.setattr(cuda_graph, "_check_runner", lambda runner: None)
+    monkeypatch.setattr(DraftGraphRunner, "_record", _eager_record)
+    torch.manual_seed(0)
+    cache = KVCache(2, 64, 16, 2, 64, torch.float32, "cpu")
+    runner = ModelRunner(
+        LlamaForCausalLM(ARGS).eval(), cache, fake_fi.FlashInferAttentionBackend(cache)
+    )
+    check_replay_equals_eager(runner, tol=1e-5)
+
+
+def check_replay_equals_eager(runner: ModelRunner, tol: float) -> None:
+    graphs = DraftGraphRunner(runner, max_num_seqs=8, max_width=4)
+    cache, dev = runner.cache, runner.device
+    lens = [5, 20, 33, 40]
+    tables = prefill(runner, lens)
+    width = 2
+    # step 1: 3 requests (bucket 4, one dummy); step 2: 4 requests, longer KV, same graph
+    for step, n in ((1, 3), (2, 4)):
+        kv = [lens[i] + step * width for i in range(n)]
+        batch = step_batch(kv, tables[:n], width)
+        assert graphs.covers(batch)
+        eager = runner.forward(batch)
+        slots = torch.cat([cache.slots(tables[i], kv[i] - width, kv[i]) for i in range(n)]).to(dev)
+        k_eager = cache.k[:, slots].clone()
+        cache.k[:, slots] = float("nan")  # the replay must write them again
+        replay = graphs.forward(batch)
+        assert replay.shape == eager.shape
+        assert_same_logits(replay, eager, f"step {step}, {n} requests", tol)
+        assert torch.allclose(cache.k[:, slots], k_eager, atol=10 * tol), f"step {step}: K differs"
+    assert graphs.num_graphs == 1, "(bucket 4, width 2) must be captured once and replayed"
+    # the eager path still works after replays (the backend leaves graph mode on plan())
+    assert_same_logits(runner.forward(batch), eager, "eager after replay", tol)
+    graphs.close()
+    for t in tables:
+        cache.release(t)
+    assert cache.allocator.num_used == 0, "graph runner leaked its dummy KV block"
+
+
+# ------------------------------------------------------------------ replay vs eager (CUDA)
+def flashinfer_runner(num_blocks: int = 64) -> ModelRunner:
+    backend_module = pytest.importorskip("adaserve.exec.attention.flashinfer")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(ARGS).half().eval()
+    cache = KVCache(2, num_blocks, 16, 2, 64, torch.float16, "cuda")
+    return ModelRunner(model, cache, backend_module.FlashInferAttentionBackend(cache))
+
+
+def prefill(runner: ModelRunner, lens: list[int]) -> list[list[int]]:
+    tables: list[list[int]] = [[] for _ in lens]
+    builder = SequenceBatchBuilder()
+    for i, (n, table) in enumerate(zip(lens, tables)):
+        runner.cache.reserve(table, n + 16)  # room for a few draft steps
+        builder.add(
+            [(3 * i + j) % 90 + 2 for j in range(n)], list(range(n)), n, table, logits="none"
+        )
+    runner.forward(builder.batch)
+    return tables
+
+
+def assert_same_logits(replay: torch.Tensor, eager: torch.Tensor, what: str, tol: float) -> None:
+    assert not replay.isnan().any(), f"{what}: NaN in the replayed logits (KV not rewritten?)"
+    err = float((replay - eager).norm() / eager.norm())
+    assert err < tol, f"{what}: replay differs from eager by {err:.2e}"
+    top2 = eager.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 0.05
+    same = replay.argmax(-1) == eager.argmax(-1)
+    assert same[clear].all(), f"{what}: replay changes a clear argmax"
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_replay_equals_eager_across_lengths_and_request_counts() -> None:
+    check_replay_equals_eager(flashinfer_runner(), tol=1e-2)
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_each_width_gets_its_own_graph() -> None:
+    runner = flashinfer_runner()
+    graphs = DraftGraphRunner(runner, max_num_seqs=4, max_width=4)
+    tables = prefill(runner, [9, 17])
+    for width in (1, 3, 4):
+        batch = step_batch([9 + width, 17 + width], tables, width)
+        replay = graphs.forward(batch)
+        assert_same_logits(replay, runner.forward(batch), f"width {width}", 1e-2)
+    assert graphs.num_graphs == 3
+    too_wide = step_batch([9 + 5, 17 + 5], tables, 5)
+    assert not graphs.covers(too_wide)
