@@ -19,8 +19,10 @@ class ModelConfig:
     device: str = "cpu"
     # None: the model's own max_position_embeddings.
     max_model_len: int | None = None
-    # "auto": flashinfer on CUDA when installed, else the torch reference.
+    # "auto": flashinfer on CUDA when installed and the dtype is float16/bfloat16, else torch.
     attention_backend: str = "auto"
+    # Replay draft steps 2..d from CUDA graphs where the attention backend allows (FlashInfer).
+    cuda_graphs: bool = True
     # Seed for requests that give none, so runs repeat.
     seed: int = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from adaserve.exec.loader import (
     resolve_model_path,
 )
 from adaserve.exec.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from adaserve.exec.cuda_graph import DraftGraphRunner
 
 
 @dataclass
@@ -100,21 +104,23 @@ class ModelRunner:
         return self.model.compute_logits(hidden[idx])
 
 
-def _make_backend(name: str, cache: KVCache) -> AttentionBackend:
+def _make_backend(name: str, cache: KVCache, num_qo_heads: int | None = None) -> AttentionBackend:
     if name == "auto":
-        name = "flashinfer" if cache.device.type == "cuda" and _has_flashinfer() else "torch"
+        # FlashInfer has no float32 kernels: a float32 model stays on the torch reference.
+        fits = cache.device.type == "cuda" and cache.k.dtype in (torch.float16, torch.bfloat16)
+        name = "flashinfer" if fits and _has_flashinfer() else "torch"
     if name == "torch":
         return TorchAttentionBackend(cache)
     if name == "flashinfer":
-        from adaserve.exec.attention.flashinfer import FlashInferAttentionBackend  # type: ignore
+        from adaserve.exec.attention.flashinfer import FlashInferAttentionBackend
 
-        return FlashInferAttentionBackend(cache)
+        return FlashInferAttentionBackend(cache, num_qo_heads=num_qo_heads)
     raise ValueError(f"attention_backend must be auto, torch or flashinfer, got {name!r}")
 
 
 def _has_flashinfer() -> bool:
     try:
-        import adaserve.exec.attention.flashinfer  # type: ignore # noqa: F401
+        import adaserve.exec.attention.flashinfer  # noqa: F401
 
         return True
     except ImportError:
@@ -136,7 +142,8 @@ def _build_runner(
     cache = KVCache(
         a.num_layers, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, dtype, device
     )
-    return ModelRunner(model, cache, _make_backend(model_cfg.attention_backend, cache))
+    backend = _make_backend(model_cfg.attention_backend, cache, a.num_heads)
+    return ModelRunner(model, cache, backend)
 
 
 class ExecutionEngine:
@@ -146,6 +153,8 @@ class ExecutionEngine:
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
         self.target = _build_runner(self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg)
+        self.cuda_graphs = model_cfg.cuda_graphs
+        self.draft_graphs: DraftGraphRunner | None = None  # see enable_draft_graphs
         self.draft: ModelRunner | None = None
         self.draft_path: Path | None = None
         if model_cfg.draft_model is not None or need_draft:
@@ -169,3 +178,12 @@ class ExecutionEngine:
             )
         self.max_model_len = model_cfg.max_model_len or limit
         self.vocab_size = args.vocab_size
+
+    def enable_draft_graphs(self, max_num_seqs: int, max_width: int) -> None:
+        """Replay draft steps 2..d from CUDA graphs, if the draft's backend supports them."""
+        d = self.draft
+        if d is None or not self.cuda_graphs or not d.backend.supports_cuda_graphs():
+            return
+        from adaserve.exec.cuda_graph import DraftGraphRunner
+
+        self.draft_graphs = DraftGraphRunner(d, max_num_seqs, max_width)

@@ -57,6 +57,8 @@ class Scheduler:
         self.num_preemptions = 0
         if cfg.speculative and engine.draft is None:
             raise ValueError(f"policy {cfg.policy!r} needs a draft model")
+        if cfg.speculative:
+            engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
@@ -229,7 +231,7 @@ class Scheduler:
             scratch = draft_scratch_tokens(shape)
             for r in reqs:  # _make_room checked these fit; speculate() frees the scratch again
                 self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
-            trees = speculate(self.engine.draft, reqs, shape)
+            trees = speculate(self.engine.draft, reqs, shape, self.engine.draft_graphs)
             t_draft = time.monotonic()
             stats.draft_s = t_draft - start
             trees = [self._cap_depth(r, t) for r, t in zip(reqs, trees)]
@@ -353,3 +355,12 @@ class Scheduler:
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
         return []
+
+
+def _widest_frontier(cfg: SchedulerConfig) -> int:
+    """The most nodes one request feeds in a draft step under this policy (graph widths)."""
+    if cfg.policy == "specinfer":
+        expansion = cfg.specinfer_expansion
+        sizes = SpecShape(len(expansion), max(expansion), expansion).frontier_sizes()
+        return max(sizes[:-1], default=1)
+    return 1 if cfg.policy == "sequence" else cfg.max_width

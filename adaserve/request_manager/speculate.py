@@ -9,6 +9,7 @@ A node's RoPE position is L - 1 + depth; its KV index is wherever it was fed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,6 +18,9 @@ from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.request import Request
 from adaserve.tree import CandidateTree, beam_search_step, expand_step
 
+if TYPE_CHECKING:
+    from adaserve.exec.cuda_graph import DraftGraphRunner
+
 
 def draft_scratch_tokens(shape: SpecShape) -> int:
     """Scratch KV entries one request needs: every frontier fed in steps 2..d."""
@@ -24,7 +28,10 @@ def draft_scratch_tokens(shape: SpecShape) -> int:
 
 
 def speculate(
-    draft: ModelRunner, requests: Sequence[Request], shape: SpecShape
+    draft: ModelRunner,
+    requests: Sequence[Request],
+    shape: SpecShape,
+    graphs: DraftGraphRunner | None = None,
 ) -> list[CandidateTree]:
     """Run the draft for `shape.depth` steps; returns one candidate tree per request.
 
@@ -62,7 +69,11 @@ def speculate(
                 mask=_draft_mask(trees[i], frontier[i], scratch[i], r.num_tokens, kv_len),
             )
         width = len(frontier[0])
-        logits = draft.forward(builder.batch)  # [R * width, V]
+        # Steps 2..d repeat one shape per (R, width): replay it from a CUDA graph when one fits.
+        if graphs is not None and graphs.covers(builder.batch):
+            logits = graphs.forward(builder.batch)  # [R * width, V]
+        else:
+            logits = draft.forward(builder.batch)  # [R * width, V]
         logprobs = torch.log_softmax(logits, dim=-1).view(len(requests), width, -1)
         frontier = _grow(trees, frontier, logprobs, shape, step)
     for r in requests:
