@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 PHASES = ("all", "generate", "train", "eval", "export", "assemble")
@@ -60,6 +61,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--device", default="cpu", help="cpu or cuda[:N]; CUDA trains under bf16 autocast"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars (for logs)")
+    p.add_argument(
+        "--time-limit-min",
+        type=float,
+        default=None,
+        help="end this call after about N minutes: generation stops between shards, training "
+        "with a checkpoint; run the same command again to resume",
+    )
     p.add_argument(
         "--threads",
         type=int,
@@ -156,12 +164,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=t.eval_every,
         help="held-out agreement every N steps (0: at the end only)",
     )
-    tr.add_argument(
-        "--time-limit-min",
-        type=float,
-        default=None,
-        help="stop training after N minutes (checkpointed; run again to resume)",
-    )
     tr.add_argument("--seed", type=int, default=t.seed, help="data order, sampling seeds, init")
 
     ev = p.add_argument_group("eval")
@@ -200,6 +202,14 @@ def run(a: argparse.Namespace) -> int:
     data_dir = Path(a.data_dir) if a.data_dir else work / "data"
     cuda = a.device.startswith("cuda")
     progress = not a.no_progress
+    started = time.monotonic()
+
+    def left() -> float | None:
+        """Seconds this call may still run under --time-limit-min (None: no limit)."""
+        if a.time_limit_min is None:
+            return None
+        return 60 * a.time_limit_min - (time.monotonic() - started)
+
     if a.threads is not None:
         import torch
 
@@ -227,7 +237,9 @@ def run(a: argparse.Namespace) -> int:
             device=a.device,
             dtype=a.gen_dtype or ("bfloat16" if cuda else "float32"),
         )
-        generate_shards(target, data_dir, gcfg, progress=progress)
+        if not generate_shards(target, data_dir, gcfg, progress=progress, time_limit_s=left()):
+            print("distill: time limit reached while generating; run again to resume")
+            return 0
     if a.phase in ("all", "train"):
         tcfg = TrainConfig(
             num_layers=a.draft_layers,
@@ -249,8 +261,7 @@ def run(a: argparse.Namespace) -> int:
         )
         data, held = load_sequences(data_dir, "train"), load_sequences(data_dir, "eval")
         print(f"distill: {len(data)} training sequences, {data.num_tokens} tokens", file=sys.stderr)
-        limit = None if a.time_limit_min is None else 60 * a.time_limit_min
-        res = train(target, data, work, out, tcfg, held, time_limit_s=limit, progress=progress)
+        res = train(target, data, work, out, tcfg, held, time_limit_s=left(), progress=progress)
         if not res.finished:
             print(f"distill: stopped at step {res.step}/{res.total_steps}; run again to resume")
             return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -118,8 +119,13 @@ def generate_shards(
     cfg: GenerateConfig,
     grid: PromptGrid | None = None,
     progress: bool = True,
-) -> dict[str, list[Path]]:
-    """Generate every missing shard of both splits; returns the shard paths by split."""
+    time_limit_s: float | None = None,
+) -> bool:
+    """Generate every missing shard of both splits; False if `time_limit_s` cut it short.
+
+    The limit is checked between shards, so a call may overrun it by one shard's time.
+    """
+    started = time.monotonic()
     grid = grid or PromptGrid()
     settings = {k: v for k, v in asdict(cfg).items() if k not in _SPEED_ONLY}
     check_meta(data_dir, {"target": Path(target_dir).name, "grid": asdict(grid), **settings})
@@ -130,7 +136,7 @@ def generate_shards(
     todo = [(p, c) for s in SPLITS for p, c in zip(paths[s], chunks[s]) if not p.exists()]
     total = sum(len(j) for j in jobs.values())
     if not todo:
-        return paths
+        return True
     llm = _make_llm(target_dir, cfg, [c for _, c in todo])
     bar = tqdm(
         total=total,
@@ -140,6 +146,9 @@ def generate_shards(
         disable=not progress,
     )
     for path, chunk in todo:
+        if time_limit_s is not None and time.monotonic() - started > time_limit_s:
+            bar.close()
+            return False
         tokens, prompt_lens = [], []
         for prompt_ids, completion in _run_chunk(llm, chunk, cfg.max_new_tokens):
             tokens.append(torch.tensor(prompt_ids + completion, dtype=torch.int32))
@@ -147,7 +156,7 @@ def generate_shards(
             bar.update(1)
         save_shard(path, tokens, prompt_lens, [j.temperature for j in chunk])
     bar.close()
-    return paths
+    return True
 
 
 def _make_llm(target_dir: Path, cfg: GenerateConfig, chunks: list[list[Job]]):
@@ -174,25 +183,23 @@ def _run_chunk(llm, chunk: list[Job], max_new_tokens: int) -> Iterator[tuple[lis
     from adaserve.request_manager.request import SamplingParams
 
     eng = llm.llm_engine
-    ids = []
-    for job in chunk:
-        params = SamplingParams(
-            max_tokens=max_new_tokens, temperature=job.temperature, seed=job.seed
+    reqs = [
+        eng.add_request(
+            eng.apply_chat_template(job.prompt.messages),
+            SamplingParams(max_tokens=max_new_tokens, temperature=job.temperature, seed=job.seed),
         )
-        req = eng.add_request(eng.apply_chat_template(job.prompt.messages), params)
-        ids.append(req)
+        for job in chunk
+    ]
     done: dict[str, list[int]] = {}
-    order = [r.request_id for r in ids]
-    prompts = {r.request_id: list(r.prompt_token_ids) for r in ids}
     emitted = 0
     while eng.has_unfinished():
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = list(out.outputs[0].token_ids)
         # Yield in job order as soon as the next one is finished, so progress moves.
-        while emitted < len(order) and order[emitted] in done:
-            rid = order[emitted]
-            yield prompts[rid], done.pop(rid)
+        while emitted < len(reqs) and reqs[emitted].request_id in done:
+            req = reqs[emitted]
+            yield list(req.prompt_token_ids), done.pop(req.request_id)
             emitted += 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaserve.distill.data import GenerateConfig, generate_shards, load_sequences
 from adaserve.distill.prompts import PromptGrid
@@ -20,6 +21,16 @@ TINY_GRID = PromptGrid(
 TINY_GEN = GenerateConfig(
     eval_prompts=6, temperatures=(0.0, 0.8, 1.0), max_new_tokens=24, shard_size=16, batch_size=16
 )
+
+
+@pytest.fixture(scope="package", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and spinning OpenMP threads on a busy shared
+    machine made these tests 8x slower; restored afterwards for the other tests."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="package")

@@ -90,3 +90,9 @@ def test_resume_with_other_settings_is_refused(tiny_target, tiny_data, tmp_path)
         generate_shards(tiny_target, tmp_path / "data", other, TINY_GRID, progress=False)
     faster = replace(TINY_GEN, batch_size=3)  # speed-only settings may change
     generate_shards(tiny_target, tmp_path / "data", faster, TINY_GRID, progress=False)
+
+
+def test_time_limit_stops_between_shards(tiny_target, tmp_path) -> None:
+    done = generate_shards(tiny_target, tmp_path, TINY_GEN, TINY_GRID, False, time_limit_s=0.0)
+    assert not done and not list(tmp_path.glob("*.pt")), "a spent time limit must write no shard"
+    assert generate_shards(tiny_target, tmp_path, TINY_GEN, TINY_GRID, False), "no limit: done"
