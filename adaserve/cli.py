@@ -22,6 +22,7 @@ from adaserve.config import (
     ServerConfig,
     parse_slo_classes,
 )
+from adaserve.entry import call
 from adaserve.request_manager.request import SamplingParams
 
 
@@ -323,11 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return args._run(args)
-    except (ValueError, FileNotFoundError) as exc:  # bad flags or model path: say what, no trace
-        print(f"adaserve {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    return call(f"adaserve {args.command}", args._run, args)
 
 
 if __name__ == "__main__":

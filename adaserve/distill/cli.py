@@ -292,11 +292,7 @@ def run(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="adaserve distill", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"adaserve distill: error: {exc}", file=sys.stderr)
-        return 2
+    from adaserve.entry import standalone_main
+
+    doc = __doc__.splitlines()[0]
+    return standalone_main("adaserve distill", doc, add_arguments, run, argv)

@@ -388,13 +388,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="adaserve profile", description=__doc__.split("\n\n")[0])
-    add_arguments(p)
-    try:
-        return run(p.parse_args(argv))
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"adaserve profile: error: {exc}", file=sys.stderr)
-        return 2
+    from adaserve.entry import standalone_main
+
+    doc = __doc__.split("\n\n")[0]
+    return standalone_main("adaserve profile", doc, add_arguments, run, argv)
 
 
 if __name__ == "__main__":

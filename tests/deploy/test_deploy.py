@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -186,9 +185,17 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
                 60,
                 "Prometheus to see every finished request",
             )
-            time.sleep(3)  # a few more scrapes, so rate() over the window has two points
-            empty = [e for e in dashboard_queries() if not query(e)]
-            assert not empty, f"dashboard queries that returned no data: {empty}"
+
+            # rate() needs two scrapes after the load inside its window: poll until every query
+            # has data, then report the ones that never got any.
+            def empty() -> list[str]:
+                return [e for e in dashboard_queries() if not query(e)]
+
+            try:
+                wait_for(lambda: not empty(), 30, "every dashboard query to return data", 1.0)
+            except AssertionError:
+                pass
+            assert not empty(), f"dashboard queries that returned no data: {empty()}"
         finally:
             prom.terminate()
             prom.wait(timeout=30)
