@@ -1,0 +1,162 @@
+"""ForwardCostModel: recovers a non-linear cost curve, follows changes, ignores hiccups."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from adaserve.exec.cost_model import DraftCostModel, ForwardCostModel, bucket_of
+
+SLOPE = 2e-6  # seconds per context token
+
+
+def g_cpu(n: int) -> float:
+    """The measured CPU shape: 1 token cheap, 2-4 tokens dearer than 5-16."""
+    if n == 1:
+        return 0.070
+    if n <= 4:
+        return 0.130
+    return 0.110
+
+
+def sample(model: ForwardCostModel, rng: random.Random, n: int, g=g_cpu, slope=SLOPE) -> None:
+    """n noisy (+-3%) forwards of 1..16 tokens over 100..8000 context tokens."""
+    for _ in range(n):
+        tokens = rng.randint(1, 16)
+        context = rng.randint(100, 8000)
+        true = g(tokens) + slope * context
+        model.observe(tokens, context, true * rng.uniform(0.97, 1.03))
+
+
+def test_bucketing():
+    assert [bucket_of(n) for n in (1, 2, 31, 32, 33, 40, 64, 65, 200)] == [
+        1,
+        2,
+        31,
+        32,
+        64,
+        64,
+        64,
+        128,
+        256,
+    ], "buckets are not exact to 32 then next power of two"
+
+
+def test_recovers_a_non_monotonic_cost_curve():
+    model = ForwardCostModel()
+    sample(model, random.Random(0), 3000)
+    for tokens in (1, 2, 3, 4, 5, 8, 16):
+        for context in (500, 4000):
+            want = g_cpu(tokens) + SLOPE * context
+            got = model.predict(tokens, context)
+            assert got == pytest.approx(want, rel=0.04), (
+                f"T({tokens}, {context}) = {got * 1e3:.1f} ms, true {want * 1e3:.1f} ms"
+            )
+    slope = model.coefficients()["slope_s_per_token"]
+    assert slope == pytest.approx(SLOPE, rel=0.15), f"slope {slope:.2e}, true {SLOPE:.2e}"
+    assert model.num_observations == 3000 and model.num_rejected == 0, "clean samples rejected"
+
+
+def test_follows_a_change_in_cost():
+    model = ForwardCostModel()
+    rng = random.Random(1)
+    sample(model, rng, 2000)
+    before = model.predict(3, 1000)
+
+    def g_new(n: int) -> float:
+        return 0.5 * g_cpu(n) + 0.02
+
+    sample(model, rng, 3000, g=g_new, slope=SLOPE / 2)
+    after = model.predict(3, 1000)
+    want = g_new(3) + SLOPE / 2 * 1000
+    assert after == pytest.approx(want, rel=0.05), (
+        f"after the change T(3, 1000) = {after * 1e3:.1f} ms, true {want * 1e3:.1f} ms "
+        f"(before {before * 1e3:.1f} ms)"
+    )
+
+
+def test_outliers_are_rejected_but_a_lasting_change_is_learned():
+    model = ForwardCostModel()
+    for _ in range(10):
+        model.observe(4, 0, 0.130)
+    assert model.observe(4, 0, 2.0) is False, "a 15x hiccup was accepted"
+    assert model.predict(4, 0) == pytest.approx(0.130, rel=1e-6), "the hiccup moved the model"
+    assert model.num_rejected == 1, "rejection not counted"
+    # The cost really went to 0.5 s: after a few rejections the model accepts and converges.
+    for _ in range(200):
+        model.observe(4, 0, 0.5)
+    assert model.predict(4, 0) == pytest.approx(0.5, rel=0.02), (
+        "a lasting 4x change was not learned"
+    )
+
+
+def test_best_padded_pads_three_tokens_past_the_expensive_range():
+    model = ForwardCostModel()
+    sample(model, random.Random(2), 3000)
+    m = model.best_padded(3, 1000, max_tokens=8)
+    assert 5 <= m <= 8, f"best_padded(3) = {m}: should pad into the cheaper 5..16 range"
+    assert model.predict(m, 1000) < model.predict(3, 1000), "padded forward is not faster"
+    assert model.best_padded(1, 1000, max_tokens=8) == 1, "padded one token although it is cheapest"
+
+    exact = ForwardCostModel.from_coefficients(
+        {1: 0.07, 2: 0.13, 3: 0.13, 5: 0.12, 8: 0.10, 16: 0.10}, 0.0
+    )
+    assert exact.best_padded(3, 0, max_tokens=16) == 8, "did not pick 8 (ties -> smallest)"
+    assert exact.best_padded(3, 0, max_tokens=5) == 5, "ignored max_tokens or bucket 5"
+    assert exact.best_padded(3, 0, max_tokens=2) == 3, "padded beyond max_tokens"
+
+
+def test_seeds_hold_for_unobserved_buckets_and_interpolation_fills_gaps():
+    model = ForwardCostModel()
+    model.seed([(1, 0, 0.07), (4, 0, 0.13), (16, 0, 0.11), (64, 0, 0.20)])
+    rng = random.Random(3)
+    for _ in range(300):  # only 1-token forwards observed, at a new cost
+        model.observe(1, 0, 0.09 * rng.uniform(0.98, 1.02))
+    assert model.predict(1, 0) == pytest.approx(0.09, rel=0.02), (
+        "observations did not override seed"
+    )
+    assert model.predict(4, 0) == pytest.approx(0.13), "seeded, unobserved bucket drifted"
+    # Neither seeded nor observed: linear in n between known buckets.
+    assert model.predict(10, 0) == pytest.approx(0.13 + (0.11 - 0.13) * 6 / 12), (
+        "10 not interpolated"
+    )
+    assert model.predict(40, 0) == pytest.approx(0.20), "40 tokens not priced at the 64 bucket"
+    assert model.predict(32, 0) == pytest.approx(0.11 + 0.09 * 16 / 48), "32 not interpolated"
+    # Beyond the largest known bucket: last segment's slope.
+    assert model.predict(128, 0) == pytest.approx(0.20 + 0.09 / 48 * 64), "128 not extrapolated"
+    falling = ForwardCostModel.from_coefficients({1: 0.1, 8: 0.05}, 0.0)
+    assert falling.predict(64, 0) == pytest.approx(0.05), "extrapolated with a negative slope"
+
+
+def test_json_round_trip():
+    model = ForwardCostModel()
+    sample(model, random.Random(4), 1000)
+    text = model.to_json()
+    again = ForwardCostModel.from_json(text)
+    for tokens in (1, 3, 7, 16, 20, 100):
+        for context in (0, 3000):
+            assert again.predict(tokens, context) == pytest.approx(
+                model.predict(tokens, context), rel=1e-9
+            ), f"round trip changed T({tokens}, {context})"
+    assert again.coefficients()["g_s"].keys() == model.coefficients()["g_s"].keys(), "buckets lost"
+
+
+def test_draft_cost_model():
+    draft = DraftCostModel()
+    draft.step.seed([(1, 0, 0.010), (4, 0, 0.030), (8, 0, 0.020)])
+    assert draft.predict(0, 4, 8, 0) == 0.0, "zero steps should cost nothing"
+    assert draft.predict(3, 4, 8, 0) == pytest.approx(0.030 + 2 * 0.020), "first + frontier steps"
+    for _ in range(100):
+        draft.observe_step(8, 0, 0.040)
+    assert draft.predict(2, 4, 8, 0) == pytest.approx(0.030 + 0.040, rel=0.01), "step not learned"
+
+
+def test_rejects_bad_samples():
+    model = ForwardCostModel()
+    with pytest.raises(ValueError, match="tokens"):
+        model.observe(0, 10, 0.1)
+    with pytest.raises(ValueError, match="seconds"):
+        model.observe(1, 10, float("nan"))
+    with pytest.raises(ValueError, match="context"):
+        model.predict(1, -1)
