@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 
 from adaserve.config import (
+    DRAFTERS,
     DTYPES,
     POLICIES,
     CacheConfig,
@@ -58,8 +59,15 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument(
         "--draft-model",
         default=m.draft_model,
-        help="draft checkpoint sharing the target's tokenizer (default model: a "
-        "truncated copy of it is made automatically)",
+        help="draft checkpoint sharing the target's tokenizer (with --drafter model and the "
+        "default target and none given: a truncated copy of the target)",
+    )
+    p.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default=m.drafter,
+        help="who proposes candidate trees: auto = the draft model if --draft-model is given, "
+        "else the suffix index over the prompt, output and recent traffic (default: auto)",
     )
     p.add_argument("--policy", choices=POLICIES, default=default_policy, help="scheduling policy")
     p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
@@ -98,6 +106,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
     return dict(
         model=a.model,
         draft_model=a.draft_model,
+        drafter=a.drafter,
         policy=a.policy,
         dtype=a.dtype,
         device=a.device,
@@ -200,18 +209,31 @@ def run_serve(a: argparse.Namespace) -> int:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
+    log = logging.getLogger("adaserve")
+    cached_profile = False
     if a.policy != "incremental" and a.budget is None:
         # B and t_spec come from measured latency, not a guess (an explicit --budget wins).
         from adaserve.exec.profile import Profile, startup_profile
 
         prof = Profile.load(a.profile) if a.profile else startup_profile(engine.engine)
-        engine.apply_profile(prof.budget, prof.t_spec_s(prof.budget))
-        logging.getLogger("adaserve").info(
-            "budget B = %d, t_spec = %.1f ms (%s)",
-            prof.budget,
-            1000 * prof.t_spec_s(prof.budget),
-            a.profile or "start-up profile",
-        )
+        if prof is None:
+            log.warning(
+                "no usable start-up profile (the machine is busy); budget B = %d from the "
+                "defaults, costs measured online",
+                engine.sched_cfg.budget,
+            )
+        else:
+            cached_profile = not a.profile
+            cost = prof.forward_cost_model(engine.sched_cfg.cost_forget)
+            engine.apply_profile(prof.budget, prof.t_spec_s(prof.budget), cost)
+            log.info(
+                "budget B = %d, t_spec = %.1f ms (%s)",
+                prof.budget,
+                1000 * prof.t_spec_s(prof.budget),
+                a.profile or "start-up profile",
+            )
+    sched = engine.scheduler
+    log.info("policy %s, drafter %s", a.policy, sched.drafter.name if sched.drafter else "none")
     cfg = ServerConfig(
         host=a.host,
         port=a.port,
@@ -221,6 +243,12 @@ def run_serve(a: argparse.Namespace) -> int:
         slo_classes=a.slo_classes,
     )
     serve(engine, cfg, log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout)
+    ctl = engine.scheduler.controller
+    if cached_profile and ctl is not None and ctl.verify_cost.num_observations > 0:
+        # What the server measured while it ran is a better start for the next one.
+        from adaserve.exec.profile import refresh_startup_profile
+
+        refresh_startup_profile(engine.engine, ctl.verify_cost)
     return 0
 
 

@@ -5,8 +5,20 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-POLICIES = ("adaserve", "global_greedy", "equal_greedy", "specinfer", "sequence", "incremental")
+# `adaserve` is AdaServe with speculation control (calibrated f(v), a measured cost model, no
+# tree that costs more than it yields); `adaserve_paper` is Algorithm 2 exactly as published.
+POLICIES = (
+    "adaserve",
+    "adaserve_paper",
+    "global_greedy",
+    "equal_greedy",
+    "specinfer",
+    "sequence",
+    "incremental",
+)
 DTYPES = ("float32", "bfloat16", "float16")
+# auto: a draft model when one is named, else the suffix index (every model speculates).
+DRAFTERS = ("auto", "model", "suffix", "model+suffix")
 
 
 @dataclass(frozen=True)
@@ -15,6 +27,9 @@ class ModelConfig:
 
     model: str | None = None
     draft_model: str | None = None
+    # Who proposes candidate trees (DRAFTERS); "model" without draft_model takes the default
+    # target's truncated draft.
+    drafter: str = "auto"
     dtype: str = "float32"
     device: str = "cpu"
     # None: the model's own max_position_embeddings.
@@ -29,8 +44,22 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.drafter not in DRAFTERS:
+            raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.drafter == "suffix" and self.draft_model is not None:
+            raise ValueError(
+                "drafter 'suffix' uses no draft model; drop draft_model or use drafter "
+                "'model' or 'model+suffix'"
+            )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+    @property
+    def resolved_drafter(self) -> str:
+        """The drafter that runs: `auto` means a draft model when one is named, else suffix."""
+        if self.drafter == "auto":
+            return "model" if self.draft_model is not None else "suffix"
+        return self.drafter
 
 
 @dataclass(frozen=True)
@@ -75,6 +104,24 @@ class SchedulerConfig:
     t_spec_init_s: float = 0.05
     # Waiting-queue bound; the server answers 429 beyond it. None: unbounded.
     max_waiting: int | None = None
+    # Suffix drafter: longest n-gram matched, shortest match used, occurrences per tree,
+    # weight of a global-cache occurrence against a request-local one, additive smoothing,
+    # and the global cache of finished outputs in tokens (0: request-local only).
+    suffix_max_ngram: int = 8
+    suffix_min_match: int = 2
+    suffix_max_matches: int = 32
+    suffix_global_weight: float = 0.5
+    suffix_alpha: float = 1.0
+    suffix_cache_tokens: int = 65536
+    # Speculation control (policy adaserve): calibration bins and prior, forgetting of the
+    # calibration and of the online cost model, and how long drafting stays off after it
+    # lost (iterations; doubles after every probe that loses again, up to the max).
+    calibration_buckets: int = 10
+    calibration_prior_strength: float = 4.0
+    calibration_decay: float = 0.995
+    cost_forget: float = 0.98
+    probe_interval_min: int = 8
+    probe_interval_max: int = 256
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -87,6 +134,12 @@ class SchedulerConfig:
             "max_width",
             "n_max",
             "gamma",
+            "suffix_max_ngram",
+            "suffix_min_match",
+            "suffix_max_matches",
+            "calibration_buckets",
+            "probe_interval_min",
+            "probe_interval_max",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -96,10 +149,25 @@ class SchedulerConfig:
             )
         if not 0.0 < self.t_spec_ema <= 1.0:
             raise ValueError(f"t_spec_ema must be in (0, 1], got {self.t_spec_ema}")
+        if self.suffix_cache_tokens < 0:
+            raise ValueError(f"suffix_cache_tokens must be >= 0, got {self.suffix_cache_tokens}")
+        if self.suffix_min_match > self.suffix_max_ngram:
+            raise ValueError(
+                f"suffix_min_match ({self.suffix_min_match}) must be <= suffix_max_ngram "
+                f"({self.suffix_max_ngram})"
+            )
+        for name in ("calibration_decay", "cost_forget"):
+            if not 0.0 < getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 
     @property
     def speculative(self) -> bool:
         return self.policy != "incremental"
+
+    @property
+    def controlled(self) -> bool:
+        """Speculation control: calibrated f(v), cost-model pruning, no drafting while it loses."""
+        return self.policy == "adaserve"
 
 
 def parse_slo_classes(spec: str) -> tuple[tuple[str, float], ...]:

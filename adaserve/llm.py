@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine
 from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
@@ -25,17 +26,22 @@ class LLMEngine:
         self, model_cfg: ModelConfig, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig
     ) -> None:
         self.model_cfg, self.cache_cfg, self.sched_cfg = model_cfg, cache_cfg, sched_cfg
-        self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=sched_cfg.speculative)
+        need_draft = sched_cfg.speculative and "model" in model_cfg.resolved_drafter
+        self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=need_draft)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(sched_cfg, self.engine)
+        self.scheduler = Scheduler(sched_cfg, self.engine, model_cfg.resolved_drafter)
         self._ids = itertools.count()
 
-    def apply_profile(self, budget: int, t_spec_s: float) -> None:
-        """Use a measured budget B and initial t_spec (only while no request is in flight)."""
+    def apply_profile(
+        self, budget: int, t_spec_s: float, cost_model: ForwardCostModel | None = None
+    ) -> None:
+        """Use a measured budget B, initial t_spec and forward cost model (engine idle only)."""
         if self.has_unfinished():
             raise RuntimeError("apply_profile needs an idle engine")
         self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
-        self.scheduler = Scheduler(self.sched_cfg, self.engine)
+        self.scheduler = Scheduler(
+            self.sched_cfg, self.engine, self.model_cfg.resolved_drafter, cost_model
+        )
 
     @property
     def max_model_len(self) -> int:

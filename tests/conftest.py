@@ -3,10 +3,43 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+_TEST_CACHE: Path | None = None
+
+
+def pytest_configure(config) -> None:
+    """Run every test against a throw-away cache; only the downloaded default model is shared.
+
+    Tests must leave nothing in the user's cache that changes what `adaserve serve` does (a
+    profile measured under the test run's load would be trusted by the next server start).
+    """
+    global _TEST_CACHE
+    from adaserve.exec.default_model import MODEL_NAME, default_model_dir
+    from adaserve.exec.loader import cache_root
+
+    if _TEST_CACHE is not None:
+        return
+    real = cache_root()
+    default_model_dir()  # fetched and converted once into the user's cache, as `serve` would
+    _TEST_CACHE = Path(tempfile.mkdtemp(prefix="adaserve-test-cache-"))
+    (_TEST_CACHE / "models").mkdir()
+    (_TEST_CACHE / "downloads").symlink_to(real / "downloads", target_is_directory=True)
+    (_TEST_CACHE / "models" / MODEL_NAME).symlink_to(
+        real / "models" / MODEL_NAME, target_is_directory=True
+    )
+    os.environ["ADASERVE_CACHE"] = str(_TEST_CACHE)  # server subprocesses inherit it
+
+
+def pytest_unconfigure(config) -> None:
+    if _TEST_CACHE is not None:
+        shutil.rmtree(_TEST_CACHE, ignore_errors=True)
 
 
 def make_tokenizer(vocab_size: int):

@@ -90,8 +90,44 @@ class ModelRunner:
         self.device = cache.device
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        """Run the batch; float32 logits [len(logits_indices), vocab], or None if none wanted."""
+    def forward(self, batch: ForwardBatch, pad_to: int | None = None) -> torch.Tensor | None:
+        """Run the batch; float32 logits [len(logits_indices), vocab], or None if none wanted.
+
+        `pad_to`: run at least this many tokens, the rest a throw-away sequence in scratch KV.
+        On some CPUs a few more rows make the matrix products cheaper (see the cost model);
+        padding is skipped when the KV pool has no room for it.
+        """
+        pad = 0 if pad_to is None else pad_to - len(batch.token_ids)
+        if pad <= 0:
+            return self._forward(batch)
+        # Padding rides as extra sequences no longer than the batch's longest, so a backend that
+        # pads queries to the longest sequence (the torch reference) does no extra work for it.
+        chunk = max(batch.query_lens)
+        lens = [min(chunk, pad - i) for i in range(0, pad, chunk)]
+        if sum(self.cache.blocks_needed([], n) for n in lens) > self.cache.allocator.num_free:
+            return self._forward(batch)
+        tables: list[list[int]] = [[] for _ in lens]
+        for table, n in zip(tables, lens):
+            self.cache.reserve(table, n)
+        try:
+            padded = ForwardBatch(
+                batch.token_ids + [0] * pad,
+                batch.positions + [i for n in lens for i in range(n)],
+                batch.query_lens + lens,
+                batch.kv_lens + lens,
+                batch.block_tables + tables,
+                batch.masks + [None] * len(lens),
+                # Padding rows never produce logits.
+                list(range(len(batch.token_ids)))
+                if batch.logits_indices is None
+                else batch.logits_indices,
+            )
+            return self._forward(padded)
+        finally:
+            for table in tables:
+                self.cache.release(table)
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         self.backend.plan(batch.metadata())
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)

@@ -17,18 +17,22 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import logging
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from adaserve.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine, ModelRunner, SequenceBatchBuilder
+
+log = logging.getLogger("adaserve.profile")
 
 DEFAULT_BUDGET_FACTOR = 1.5
 BUDGET_CONTEXT = 256
@@ -48,6 +52,11 @@ FULL = _Plan(max_tokens=256, contexts=(64, BUDGET_CONTEXT, 1024), repeats=5, bas
 # Server start-up without a profile file: seconds, not minutes.
 QUICK = _Plan(max_tokens=64, contexts=(BUDGET_CONTEXT,), repeats=3, baseline_steps=16)
 DRAFT_MAX_TOKENS = 64
+# A profile is noise, not a measurement, when repeats of one shape spread more than this
+# (max - min over the median), or a 1-token forward takes this much longer than the cheapest
+# 2..16-token forward (one token cannot cost more than several; a busy machine makes it so).
+NOISE_SPREAD = 0.5
+NOISE_ONE_TOKEN = 1.5
 BASELINE_BATCH, BASELINE_INPUT = 8, 32
 # t_spec assumes D_max draft steps per iteration: the deepest tree the scheduler grows.
 T_SPEC_DRAFT_STEPS = SchedulerConfig().max_depth
@@ -75,6 +84,11 @@ class Profile:
     baseline_latency_ms: float
     quick: bool = False
     draft_steps: int = T_SPEC_DRAFT_STEPS
+    # Largest (max - min) / median over the repeats of one target shape.
+    max_spread: float = 0.0
+    # Online cost model's fitted coefficients (ForwardCostModel.to_json): written by
+    # `adaserve profile`, refreshed in the start-up cache by a server that ran.
+    cost_model: dict | None = None
     created_at: str = field(default_factory=lambda: _now())
 
     def target_ms(self, tokens: float, context: int | None = None) -> float:
@@ -88,6 +102,34 @@ class Profile:
         """Predicted speculative-iteration latency: draft_steps draft steps + one verify."""
         steps = self.draft_steps if draft_steps is None else draft_steps
         return (self.target_ms(tokens) + steps * self.draft_ms(tokens)) / 1000.0
+
+    def noise_reason(self) -> str | None:
+        """Why this profile is noise (None: it is a usable measurement)."""
+        if self.max_spread > NOISE_SPREAD:
+            return f"repeats of one shape spread {100 * self.max_spread:.0f}%"
+        at = {p.tokens: p.ms for p in self.target if p.context == self.budget_context}
+        several = [ms for t, ms in at.items() if 2 <= t <= 16]
+        if 1 in at and several and at[1] > NOISE_ONE_TOKEN * min(several):
+            return (
+                f"a 1-token forward ({at[1]:.1f} ms) took over {NOISE_ONE_TOKEN}x the cheapest "
+                f"2-16-token one ({min(several):.1f} ms)"
+            )
+        return None
+
+    def cost_points(self) -> list[tuple[int, int, float]]:
+        """Target points as (tokens, total context tokens, seconds) for the online cost model."""
+        return [
+            (p.tokens, p.context * len(_split(p.tokens, NUM_SEQS)), p.ms / 1000.0)
+            for p in self.target
+        ]
+
+    def forward_cost_model(self, forget: float = 0.98) -> ForwardCostModel:
+        """The target's cost model: fitted coefficients if stored, else fitted to the points."""
+        if self.cost_model is not None:
+            return ForwardCostModel.from_json(json.dumps(self.cost_model), forget=forget)
+        model = ForwardCostModel(forget=forget)
+        model.seed(self.cost_points())
+        return model
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -181,6 +223,14 @@ def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -
 
     None when the KV pool cannot hold the shape. KV is reserved for the run and released after.
     """
+    samples = time_forward_samples(runner, tokens, context, repeats)
+    return None if samples is None else statistics.median(samples)
+
+
+def time_forward_samples(
+    runner: ModelRunner, tokens: int, context: int, repeats: int
+) -> list[float] | None:
+    """Every timed run (ms) of `time_forward`'s shape; None when the KV pool cannot hold it."""
     cache, vocab = runner.cache, runner.model.args.vocab_size
     lens = _split(tokens, NUM_SEQS)
     if sum(cache.blocks_needed([], context + q) for q in lens) > cache.allocator.num_free:
@@ -200,10 +250,28 @@ def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -
             _sync(runner.device)
             if i:
                 samples.append(1000.0 * (time.perf_counter() - start))
-        return statistics.median(samples)
+        return samples
     finally:
         for table in tables:
             cache.release(table)
+
+
+def forward_cost_points(
+    runner: ModelRunner, max_tokens: int, context: int = 64, repeats: int = 2
+) -> list[tuple[int, int, float]]:
+    """A quick cost curve to seed the online cost model: (tokens, total context, seconds).
+
+    Every count up to 16, then powers of two up to `max_tokens`: the small counts are where
+    the curve bends (on a CPU the 2nd token can cost more than the 8th).
+    """
+    counts = sorted({*range(1, min(16, max_tokens) + 1), *_token_counts(max_tokens)})
+    time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
+    points = []
+    for tokens in counts:
+        ms = time_forward(runner, tokens, context, repeats)
+        if ms is not None:
+            points.append((tokens, context * len(_split(tokens, NUM_SEQS)), ms / 1000.0))
+    return points
 
 
 def baseline_latency_ms(runner: ModelRunner, steps: int) -> float:
@@ -280,19 +348,29 @@ def profile_engine(
         jobs += [("draft", engine.draft, t, budget_ctx) for t in _token_counts(DRAFT_MAX_TOKENS)]
     bar = tqdm(total=len(jobs) + 1, desc="profiling", unit="shape", disable=not progress)
     points: dict[str, list[LatencyPoint]] = {"target": [], "draft": []}
+    spread = 0.0
     try:
         for _ in range(3):  # first forwards allocate and pick kernels: keep them out of the numbers
             time_forward(engine.target, 1, 0, 1)
         for which, runner, tokens, ctx in jobs:
-            ms = time_forward(runner, tokens, ctx, plan.repeats)
-            if ms is not None:  # shapes the KV pool cannot hold are left out
+            samples = time_forward_samples(runner, tokens, ctx, plan.repeats)
+            if samples is not None:  # shapes the KV pool cannot hold are left out
+                ms = statistics.median(samples)
                 points[which].append(LatencyPoint(tokens, ctx, ms))
+                if which == "target":
+                    spread = max(spread, (max(samples) - min(samples)) / ms)
             bar.update()
         baseline = baseline_latency_ms(engine.target, plan.baseline_steps)
         bar.update()
     finally:
         bar.close()
     at_budget_ctx = {p.tokens: p.ms for p in points["target"] if p.context == budget_ctx}
+    cost = ForwardCostModel()
+    cost.seed(
+        (p.tokens, p.context * len(_split(p.tokens, NUM_SEQS)), p.ms / 1000.0)
+        for p in points["target"]
+    )
+    cost_json = json.loads(cost.to_json())
     device = engine.target.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     return Profile(
@@ -306,25 +384,53 @@ def profile_engine(
         budget_context=budget_ctx,
         baseline_latency_ms=baseline,
         quick=quick,
+        max_spread=spread,
+        cost_model=cost_json,
     )
 
 
-def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile:
-    """The quick profile the server runs at start-up, cached per (models, device, dtype)."""
+def startup_profile_path(engine: ExecutionEngine) -> Path:
+    """Where the start-up profile of this (target, draft, device, dtype) is cached."""
     from adaserve.exec.loader import cache_root
 
     dtype = str(next(engine.target.model.parameters()).dtype).removeprefix("torch.")
     draft = engine.draft_path.name if engine.draft_path is not None else "none"
     key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
-    path = cache_root() / "profiles" / f"{key}.json"
+    return cache_root() / "profiles" / f"{key}.json"
+
+
+def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile | None:
+    """The quick profile the server runs at start-up, cached per (models, device, dtype).
+
+    A noisy measurement (a busy machine) is taken twice at most, then neither used nor cached:
+    None, and the server starts from the configured defaults and its online cost model.
+    """
+    path = startup_profile_path(engine)
     if path.exists():
         try:
-            return Profile.load(path)
+            cached = Profile.load(path)
+            if cached.noise_reason() is None:
+                return cached
         except ValueError:
             pass  # written by another version: measure again
-    prof = profile_engine(engine, quick=True, progress=progress)
-    prof.save(path)
-    return prof
+    for attempt in range(2):
+        prof = profile_engine(engine, quick=True, progress=progress)
+        reason = prof.noise_reason()
+        if reason is None:
+            prof.save(path)
+            return prof
+        log.warning("start-up profile %d is noise (%s); not using it", attempt + 1, reason)
+    return None
+
+
+def refresh_startup_profile(engine: ExecutionEngine, cost_model: ForwardCostModel) -> Path | None:
+    """Store a running server's fitted cost model in its cached start-up profile."""
+    path = startup_profile_path(engine)
+    try:
+        prof = Profile.load(path)
+    except (OSError, ValueError):
+        return None
+    return replace(prof, cost_model=json.loads(cost_model.to_json())).save(path)
 
 
 # ---------------------------------------------------------------------------- command line

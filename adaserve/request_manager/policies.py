@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from adaserve.config import SchedulerConfig
 from adaserve.tree import (
     CandidateTree,
-    adaserve_select,
     equal_greedy_select,
     global_greedy_select,
     select_all,
+    slo_customized_select,
+    throughput_optimized_select,
     tree_shape,
 )
 
@@ -65,13 +66,20 @@ def select_nodes(
     trees: Sequence[CandidateTree],
     a_cap: Sequence[float | None],
     a_order: Sequence[float | None],
-) -> list[list[int]]:
-    """The policy's selection: per request, sorted node indices including the root."""
+) -> tuple[list[list[int]], list[list[int]]]:
+    """The policy's selection: per request, sorted node indices including the root.
+
+    Returns (selections, SLO-step selections): the second is what AdaServe's SLO-customized
+    step chose (speculation control drops those nodes last); roots alone for other policies.
+    """
     p = cfg.policy
-    if p == "adaserve":
-        return adaserve_select(trees, a_cap, a_order, cfg.budget, cfg.n_max)
+    roots = [[0] for _ in trees]
+    if p in ("adaserve", "adaserve_paper"):
+        slo_step, budget_left = slo_customized_select(trees, a_cap, a_order, cfg.budget, cfg.n_max)
+        return throughput_optimized_select(trees, slo_step, budget_left), slo_step
     if p == "global_greedy":
-        return global_greedy_select(trees, cfg.budget)
+        return global_greedy_select(trees, cfg.budget), roots
     if p == "equal_greedy":
-        return equal_greedy_select(trees, cfg.budget)
-    return select_all(trees)  # specinfer, sequence, incremental: verify whatever was drafted
+        return equal_greedy_select(trees, cfg.budget), roots
+    # specinfer, sequence, incremental: verify whatever was drafted
+    return select_all(trees), roots

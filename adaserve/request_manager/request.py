@@ -42,8 +42,6 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
 
 
-
-
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

@@ -11,13 +11,22 @@ from collections import deque
 from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine, SequenceBatchBuilder
+from adaserve.exec.profile import forward_cost_points
+from adaserve.request_manager.control import SpeculationController
+from adaserve.request_manager.drafters import Drafter, make_drafter
 from adaserve.request_manager.output import OutputProcessor
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
 from adaserve.request_manager.request import Request, RequestStatus
 from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
-from adaserve.request_manager.speculate import draft_scratch_tokens, speculate
-from adaserve.tree import CandidateTree, build_verify_tree, tree_attention_mask, verify
+from adaserve.tree import (
+    CandidateTree,
+    build_verify_tree,
+    top_chain,
+    tree_attention_mask,
+    verify,
+)
 
 
 @dataclass
@@ -27,6 +36,9 @@ class IterationStats:
     kind: str  # "prefill" or "decode"
     num_requests: int
     num_tokens: int  # tokens in the target forward (prompt tokens or tree tokens)
+    padded_tokens: int = 0  # tokens the forward ran, padding included
+    drafted: bool = False  # the drafter ran this iteration
+    draft_nodes: int = 0  # non-root nodes the drafter proposed
     tree_tokens: int = 0  # non-root tree nodes verified
     accepted_tokens: int = 0  # non-root tree nodes accepted
     emitted_tokens: int = 0  # tokens committed (accepted + bonus)
@@ -46,7 +58,14 @@ class IterationStats:
 class Scheduler:
     """Owns the waiting and running queues and advances requests one iteration at a time."""
 
-    def __init__(self, cfg: SchedulerConfig, engine: ExecutionEngine) -> None:
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        engine: ExecutionEngine,
+        drafter: str = "auto",
+        cost_model: ForwardCostModel | None = None,
+    ) -> None:
+        """`cost_model`: the target's forward cost (from a profile); measured here if None."""
         self.cfg = cfg
         self.engine = engine
         self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
@@ -55,10 +74,22 @@ class Scheduler:
         self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
         self.last_stats: IterationStats | None = None
         self.num_preemptions = 0
-        if cfg.speculative and engine.draft is None:
-            raise ValueError(f"policy {cfg.policy!r} needs a draft model")
+        self.drafter: Drafter | None = None
+        self.controller: SpeculationController | None = None
         if cfg.speculative:
-            engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
+            if drafter == "auto":
+                drafter = "model" if engine.draft is not None else "suffix"
+            if "model" in drafter:
+                engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
+            self.drafter = make_drafter(drafter, cfg, engine)
+        if cfg.controlled:
+            assert self.drafter is not None
+            if cost_model is None:
+                cost_model = ForwardCostModel(forget=cfg.cost_forget)
+                cost_model.seed(forward_cost_points(engine.target, cfg.budget))
+            self.controller = SpeculationController(
+                cfg, self.drafter.costly, cfg.budget, cost_model
+            )
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
@@ -97,6 +128,8 @@ class Scheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self._free(req)
+                    if self.drafter is not None:
+                        self.drafter.on_release(req)
                     req.finish("abort", time.monotonic())
                     return req
         return None
@@ -115,6 +148,9 @@ class Scheduler:
         for req in [r for r in self.running if r.finished]:
             self.running.remove(req)
             self._free(req)
+            if self.drafter is not None:
+                self.drafter.on_finish(req)
+                self.drafter.on_release(req)
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[Request]:
@@ -214,37 +250,67 @@ class Scheduler:
         )
         return reqs
 
+    def _shape(self) -> SpecShape | None:
+        """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
+        shape = spec_shape(self.cfg, len(self.running))
+        if shape is not None and self.controller is not None and not self.controller.should_draft():
+            return None
+        return shape
+
     def _decode(self) -> list[Request]:
         start = time.monotonic()
-        shape = spec_shape(self.cfg, len(self.running))
+        shape = self._shape()
         cut_short = self._make_room(shape)
         if not self.running:
             return cut_short
         reqs = list(self.running)
         stats = IterationStats("decode", len(reqs), 0, budget=self.cfg.budget)
+        context = sum(r.num_cached for r in reqs)
+        ctl = self.controller
         if shape is None:
             trees = [CandidateTree.root(r.last_token) for r in reqs]
             selections = [[0] for _ in reqs]
         else:
-            assert self.engine.draft is not None
+            assert self.drafter is not None
+            stats.drafted = True
             stats.depth, stats.width = shape.depth, shape.width
-            scratch = draft_scratch_tokens(shape)
-            for r in reqs:  # _make_room checked these fit; speculate() frees the scratch again
-                self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
-            trees = speculate(self.engine.draft, reqs, shape, self.engine.draft_graphs)
+            if self.engine.draft is not None:
+                scratch = self.drafter.scratch_tokens(shape)
+                for r in reqs:  # _make_room checked these fit; the drafter frees the scratch
+                    self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
+            keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
+            trees = self.drafter.propose(reqs, shape, keep_going)
             t_draft = time.monotonic()
             stats.draft_s = t_draft - start
             trees = [self._cap_depth(r, t) for r, t in zip(reqs, trees)]
-            a_cap, a_need = slo_requirements(reqs, t_draft, self.t_spec.value_s, shape.depth)
-            selections = select_nodes(self.cfg, trees, a_cap, a_need)
+            if self.cfg.policy == "sequence":
+                trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
+            stats.draft_nodes = sum(len(t) - 1 for t in trees)
+            # Controlled: the selection sees calibrated f(v) and the cost model's t_spec.
+            scored = trees if ctl is None else ctl.calibrate(trees)
+            t_spec = self.t_spec.value_s if ctl is None else ctl.t_spec_s(len(reqs), context, shape)
+            a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
+            selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
+            if ctl is not None:
+                selections, _ = ctl.prune(scored, selections, slo_step, context)
             stats.select_s = time.monotonic() - t_draft
         t_verify = time.monotonic()
-        self._verify_and_commit(reqs, trees, selections, stats)
+        self._verify_and_commit(reqs, trees, selections, stats, context)
         end = time.monotonic()
         stats.verify_s = end - t_verify
         stats.total_s = end - start
         if shape is not None:
             self.t_spec.update(stats.total_s)
+            if ctl is not None and self.drafter is not None and self.drafter.costly:
+                ctl.record_draft_time(stats.draft_s, max(max(t.depths) for t in trees))
+                # Scored by what was accepted, not by what calibration expected: a cold
+                # calibration must not switch off a draft that is doing well.
+                realized = len(reqs) + stats.accepted_tokens
+                ctl.record_score(
+                    ctl.iteration_ratio(
+                        realized, len(reqs), stats.padded_tokens, context, stats.draft_s
+                    )
+                )
         self.last_stats = stats
         return reqs
 
@@ -274,8 +340,10 @@ class Scheduler:
         trees: list[CandidateTree],
         selections: list[list[int]],
         stats: IterationStats,
+        context: int,
     ) -> None:
         cache = self.engine.target.cache
+        ctl = self.controller
         builder = SequenceBatchBuilder()
         vtrees, rows = [], []
         for r, tree, sel in zip(reqs, trees, selections):
@@ -293,11 +361,18 @@ class Scheduler:
                 )
             )
             vtrees.append(vt)
-        logits = self.engine.target.forward(builder.batch)
+        stats.num_tokens = len(builder.batch.token_ids)
+        pad_to = stats.num_tokens
+        if ctl is not None:
+            pad_to = ctl.pad_to(stats.num_tokens, context)
+        t_forward = time.monotonic()
+        logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
         assert logits is not None
         now = time.monotonic()
-        stats.num_tokens = len(builder.batch.token_ids)
-        for r, vt, row in zip(reqs, vtrees, rows):
+        stats.padded_tokens = pad_to
+        if ctl is not None:
+            ctl.observe_forward(pad_to, context, now - t_forward)
+        for r, tree, vt, row in zip(reqs, trees, vtrees, rows):
             p = r.params
             accepted, bonus = verify(
                 logits[row[0] : row[-1] + 1],
@@ -308,6 +383,10 @@ class Scheduler:
                 p.top_p,
                 r.generator,
             )
+            if ctl is not None and len(vt) > 1:
+                ctl.observe_verification(
+                    tree, vt.source_nodes, [vt.source_nodes[v] for v in accepted]
+                )
             keep = [0] + accepted
             cache.keep_subset(r.block_table, r.num_cached, keep)
             r.num_cached += len(keep)
@@ -327,7 +406,7 @@ class Scheduler:
         """
         t_cache, d = self.engine.target.cache, self.engine.draft
         tree_nodes = 1 if shape is None else shape.max_nodes
-        scratch = 0 if shape is None else draft_scratch_tokens(shape)
+        scratch = 0 if shape is None or self.drafter is None else self.drafter.scratch_tokens(shape)
         while self.running:
             t_need = sum(
                 t_cache.blocks_needed(r.block_table, r.num_cached + tree_nodes)
@@ -347,6 +426,8 @@ class Scheduler:
                 return
             victim = self.running.pop()
             self._free(victim)
+            if self.drafter is not None:
+                self.drafter.on_release(victim)
             if not self.running:
                 # Alone and still too big: the pool cannot hold this request any longer.
                 victim.finish("length", time.monotonic())

@@ -5,7 +5,13 @@ Pure functions over small arrays and tensors; imports only torch, numpy and the 
 
 from __future__ import annotations
 
-from adaserve.tree.candidate import CandidateTree, beam_search_step, expand_step
+from adaserve.tree.candidate import (
+    CandidateTree,
+    beam_search_step,
+    expand_step,
+    merge_trees,
+    top_chain,
+)
 from adaserve.tree.layout import (
     VerifyTree,
     ancestor_mask,
@@ -43,12 +49,14 @@ __all__ = [
     "expand_step",
     "expected_accepts",
     "global_greedy_select",
+    "merge_trees",
     "required_accepts",
     "select_all",
     "slo_customized_select",
     "target_probs",
     "throughput_optimized_select",
     "tree_attention_mask",
+    "top_chain",
     "tree_shape",
     "verify",
     "verify_greedy",

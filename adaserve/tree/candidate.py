@@ -119,3 +119,47 @@ def expand_step(logprobs: Tensor, num_children: int) -> tuple[Tensor, Tensor]:
         )
     token_logprob, token = logprobs.topk(num_children, dim=-1)
     return token, token_logprob
+
+
+def top_chain(tree: CandidateTree) -> CandidateTree:
+    """The single path that follows the most probable child from the root down."""
+    kids = tree.children()
+    chain = CandidateTree.root(tree.tokens[0])
+    node, parent = 0, 0
+    while kids[node]:
+        node = max(kids[node], key=lambda v: (tree.logprobs[v], -v))
+        (parent,) = chain.add_nodes([parent], [tree.tokens[node]], [tree.logprobs[node]])
+    return chain
+
+
+def merge_trees(a: CandidateTree, b: CandidateTree) -> CandidateTree:
+    """Union of two trees over the same root; identical paths become one node.
+
+    A node both trees hold gets the noisy-OR of their conditional probabilities,
+        P(v | parent) = 1 - (1 - p_a)(1 - p_b),
+    treating the two drafters as independent witnesses that the target continues that way.
+    """
+    if a.tokens[0] != b.tokens[0]:
+        raise ValueError(f"trees have different roots: {a.tokens[0]} and {b.tokens[0]}")
+    probs: dict[tuple[int, ...], float] = {}
+    order: list[tuple[int, ...]] = []
+    for tree in (a, b):
+        paths: list[tuple[int, ...]] = [()]
+        for v in range(1, len(tree)):
+            path = paths[tree.parents[v]] + (tree.tokens[v],)
+            paths.append(path)
+            p = math.exp(tree.logprobs[v])
+            if path in probs:
+                probs[path] = 1.0 - (1.0 - probs[path]) * (1.0 - p)
+            else:
+                probs[path] = p
+                order.append(path)
+    merged = CandidateTree.root(a.tokens[0])
+    node_of: dict[tuple[int, ...], int] = {(): 0}
+    # Shorter paths first keeps parents before children.
+    for path in sorted(order, key=len):
+        p = min(probs[path], 1.0)
+        (node_of[path],) = merged.add_nodes(
+            [node_of[path[:-1]]], [path[-1]], [math.log(p) if p > 0 else -math.inf]
+        )
+    return merged

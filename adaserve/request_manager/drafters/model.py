@@ -1,4 +1,4 @@
-"""Speculation: the draft model grows one candidate tree per request by batched beam search.
+"""The draft-model drafter: a small model grows one candidate tree per request by beam search.
 
 Draft KV layout of a request with L committed tokens (the last one is the root):
   KV indices [0, L)       committed tokens (kept across iterations)
@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder
+from adaserve.request_manager.drafters.base import Drafter, KeepGoing
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.request import Request
 from adaserve.tree import CandidateTree, beam_search_step, expand_step
@@ -27,16 +28,36 @@ def draft_scratch_tokens(shape: SpecShape) -> int:
     return sum(shape.frontier_sizes()[:-1])
 
 
+class ModelDrafter(Drafter):
+    """Beam search (or SpecInfer expansion) with a draft model that has its own paged KV."""
+
+    name = "model"
+    costly = True
+
+    def __init__(self, draft: ModelRunner, graphs: DraftGraphRunner | None = None) -> None:
+        self.draft, self.graphs = draft, graphs
+
+    def scratch_tokens(self, shape: SpecShape) -> int:
+        return draft_scratch_tokens(shape)
+
+    def propose(
+        self, requests: Sequence[Request], shape: SpecShape, keep_going: KeepGoing | None = None
+    ) -> list[CandidateTree]:
+        return speculate(self.draft, requests, shape, self.graphs, keep_going)
+
+
 def speculate(
     draft: ModelRunner,
     requests: Sequence[Request],
     shape: SpecShape,
     graphs: DraftGraphRunner | None = None,
+    keep_going: KeepGoing | None = None,
 ) -> list[CandidateTree]:
-    """Run the draft for `shape.depth` steps; returns one candidate tree per request.
+    """Run the draft for up to `shape.depth` steps; returns one candidate tree per request.
 
     The caller has reserved draft KV for L + draft_scratch_tokens(shape) entries per request;
-    afterwards each request's draft KV holds exactly its L committed tokens again.
+    afterwards each request's draft KV holds exactly its L committed tokens again. Drafting
+    stops early when `keep_going(trees, frontier)` says the next level is not worth its cost.
     """
     trees = [CandidateTree.root(r.last_token) for r in requests]
     # Step 1: each request feeds every committed token the draft has not seen (at least the root).
@@ -55,6 +76,8 @@ def speculate(
     frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, step=0)
     scratch: list[dict[int, int]] = [{} for _ in requests]  # node -> draft KV index
     for step in range(1, shape.depth):
+        if keep_going is not None and not keep_going(trees, frontier):
+            break
         builder = SequenceBatchBuilder()
         for i, r in enumerate(requests):
             base = r.num_tokens + len(scratch[i])

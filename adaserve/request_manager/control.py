@@ -1,0 +1,224 @@
+"""Speculation control: speculate only where it pays, measured and calibrated online.
+
+Every iteration of policy `adaserve` asks three questions, answered from two online models
+(`AcceptanceCalibrator`: draft probability -> observed acceptance; `ForwardCostModel`:
+forward time by tokens and context, measured from the iterations the server runs):
+
+1. Draft at all?  A costly drafter (a draft model) runs only while speculation has paid off.
+   After each drafting iteration we score it against incremental decoding,
+       R = [E / (t_draft + T(n + k))] / [n / T(n)],
+   with n the requests, k the verified tree nodes, E = n + the tokens accepted, t_draft as
+   measured and T the cost model's forward time (at the size that ran). While the moving average
+   of R is below 1, drafting is off; after `probe_interval` iterations one iteration probes
+   again, the interval doubling after every probe that loses (up to `probe_interval_max`).
+2. How deep?  A step-wise drafter stops growing when the next level's calibrated mass cannot
+   buy its cost: sum of the frontier's f(v) x (T(n)/n, seconds a token is worth) < one draft
+   step plus the verify time of the frontier's tokens.
+3. Which nodes?  The policy's selection runs on calibrated trees; then nodes are dropped, the
+   least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
+   kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
+   decoding, so an iteration never predicts fewer tokens per second than incremental.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from adaserve.config import SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
+from adaserve.request_manager.calibration import AcceptanceCalibrator
+from adaserve.request_manager.policies import SpecShape
+from adaserve.tree import CandidateTree
+
+# Weight of the newest iteration in the moving averages of R and of the draft-step time.
+SCORE_EMA = 0.3
+# Drafting iterations scored before the first on/off decision (cold start trusts the prior).
+MIN_SCORED = 3
+# Pad a forward only when that is predicted this much cheaper; every PAD_EXPLORE-th time run
+# the exact size anyway to keep measuring it.
+PAD_MIN_SAVING = 0.1
+PAD_EXPLORE = 16
+
+
+class SpeculationController:
+    """Decides, per iteration, whether to draft, how deep, and which nodes are worth verifying."""
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        costly_drafter: bool,
+        max_pad_tokens: int,
+        verify_cost: ForwardCostModel,
+    ) -> None:
+        self.cfg = cfg
+        self.costly_drafter = costly_drafter
+        self.max_pad_tokens = max_pad_tokens
+        self.calibrator = AcceptanceCalibrator(
+            num_buckets=cfg.calibration_buckets,
+            max_depth=max(cfg.max_depth, len(cfg.specinfer_expansion)),
+            prior_strength=cfg.calibration_prior_strength,
+            decay=cfg.calibration_decay,
+        )
+        self.verify_cost = verify_cost
+        self.draft_step_s = 0.0
+        self.score = 1.0  # moving average of R
+        self.num_scored = 0
+        self.off_until = -1  # iteration index before which drafting stays off
+        self.probe_interval = cfg.probe_interval_min
+        self.iteration = 0
+        self.num_draft_iterations = 0
+        self.num_skipped_drafts = 0
+        self.pruned_streak = 0  # iterations in a row whose trees were pruned to nothing
+        self.num_padded = 0  # forwards for which padding was predicted cheaper
+
+    # ------------------------------------------------------------------ 1. draft at all?
+    def should_draft(self) -> bool:
+        self.iteration += 1
+        if not self.costly_drafter or self.iteration >= self.off_until:
+            self.num_draft_iterations += 1
+            return True
+        self.num_skipped_drafts += 1
+        return False
+
+    @property
+    def drafting_on(self) -> bool:
+        return not self.costly_drafter or self.iteration + 1 >= self.off_until
+
+    def record_score(self, ratio: float) -> None:
+        """R of an iteration that drafted; turns drafting off while the average loses."""
+        if not self.costly_drafter:
+            return
+        probe = self.num_scored >= MIN_SCORED and self.iteration == self.off_until
+        w = 1.0 if self.num_scored == 0 or probe else SCORE_EMA
+        # A probe's own score decides: the average still holds the iterations that lost.
+        self.score = (1 - w) * self.score + w * ratio
+        self.num_scored += 1
+        if self.num_scored < MIN_SCORED:
+            return
+        if self.score < 1.0:
+            self.off_until = self.iteration + self.probe_interval
+            self.probe_interval = min(2 * self.probe_interval, self.cfg.probe_interval_max)
+        else:
+            self.probe_interval = self.cfg.probe_interval_min
+
+    def record_draft_time(self, seconds: float, steps: int) -> None:
+        per_step = seconds / max(1, steps)
+        w = 1.0 if self.draft_step_s == 0.0 else SCORE_EMA
+        self.draft_step_s = (1 - w) * self.draft_step_s + w * per_step
+
+    # ------------------------------------------------------------------ 2. how deep?
+    def forward_s(self, tokens: int, context: int) -> float:
+        """Predicted target forward time of `tokens` tokens, at its cheapest padded size."""
+        padded = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
+        return self.verify_cost.predict(padded, context)
+
+    def pad_to(self, tokens: int, context: int) -> int:
+        """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
+
+        Only for a clear saving (PAD_MIN_SAVING), and every PAD_EXPLORE-th padded forward runs
+        unpadded instead, so the cost of the exact size is measured again and a seed that was
+        too high cannot keep us padding forever.
+        """
+        best = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
+        if best == tokens:
+            return tokens
+        self.num_padded += 1
+        saving = 1.0 - self.verify_cost.predict(best, context) / self.verify_cost.predict(
+            tokens, context
+        )
+        if saving < PAD_MIN_SAVING or self.num_padded % PAD_EXPLORE == 0:
+            return tokens
+        return best
+
+    def keep_going(self, num_requests: int, context: int):
+        """A `KeepGoing` for step-wise drafters: is the next level worth a draft step?"""
+        token_s = self.forward_s(num_requests, context) / num_requests
+
+        def decide(trees: list[CandidateTree], frontier: list[list[int]]) -> bool:
+            mass = 0.0
+            nodes = 0
+            for tree, nodes_ in zip(trees, frontier):
+                cal = self.calibrator.calibrate_tree(tree)
+                mass += sum(cal.path_prob(v) for v in nodes_)
+                nodes += len(nodes_)
+            extra = self.forward_s(num_requests + nodes, context) - self.forward_s(
+                num_requests, context
+            )
+            return mass * token_s >= self.draft_step_s + max(extra, 0.0) / 2
+
+        return decide
+
+    def t_spec_s(self, num_requests: int, context: int, shape: SpecShape) -> float:
+        """Predicted iteration time for A(r): the draft steps plus a forward at the budget."""
+        tokens = max(num_requests, min(self.cfg.budget, num_requests * shape.max_nodes))
+        draft = self.draft_step_s * shape.depth if self.costly_drafter else 0.0
+        return draft + self.forward_s(tokens, context)
+
+    # ------------------------------------------------------------------ 3. which nodes?
+    def calibrate(self, trees: Sequence[CandidateTree]) -> list[CandidateTree]:
+        return [self.calibrator.calibrate_tree(t) for t in trees]
+
+    def prune(
+        self,
+        trees: Sequence[CandidateTree],
+        selections: Sequence[Sequence[int]],
+        protected: Sequence[Sequence[int]],
+        context: int,
+    ) -> tuple[list[list[int]], float]:
+        """Keep the prefix of the selection that maximises expected tokens per second.
+
+        `trees` are calibrated; `protected` are the SLO step's nodes (dropped last).
+        Returns (selections, expected tokens E of what is kept).
+        """
+        n = len(trees)
+        # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties
+        # (f never grows along a path, so a node goes only after its selected children).
+        removable = []
+        for r, sel in enumerate(selections):
+            guard = set(protected[r])
+            for v in sel:
+                if v != 0:
+                    removable.append(
+                        (v in guard, trees[r].path_logprobs[v], -trees[r].depths[v], r, v)
+                    )
+        removable.sort()
+        adds = list(reversed(removable))  # the order in which nodes are (re)added
+        best_k, best_rate = 0, n / self.forward_s(n, context)
+        expected = best_expected = float(n)
+        for k, (*_, r, v) in enumerate(adds, start=1):
+            expected += trees[r].path_prob(v)
+            rate = expected / self.forward_s(n + k, context)
+            if rate > best_rate:
+                best_k, best_rate, best_expected = k, rate, expected
+        if best_k == 0 and adds:
+            # Nothing paid off. Now and then verify what a forward holds for free anyway (its
+            # cheapest padded size), at least one node, so the calibration keeps learning and
+            # a drafter that became good (another workload) gets used again.
+            self.pruned_streak += 1
+            if self.pruned_streak >= self.cfg.probe_interval_min:
+                self.pruned_streak = 0
+                free = self.verify_cost.best_padded(n, context, max(n, self.max_pad_tokens)) - n
+                best_k = min(len(adds), max(1, free))
+                best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
+        else:
+            self.pruned_streak = 0
+        kept: list[list[int]] = [[0] for _ in trees]
+        for _, _, _, r, v in adds[:best_k]:
+            kept[r].append(v)
+        return [sorted(s) for s in kept], best_expected
+
+    def iteration_ratio(
+        self, expected: float, n: int, tokens: int, context: int, draft_s: float
+    ) -> float:
+        """R of one iteration: its tokens/s (E tokens in draft + verify time) over incremental's."""
+        spec = expected / (draft_s + self.forward_s(tokens, context))
+        return spec / (n / self.forward_s(n, context))
+
+    # ------------------------------------------------------------------ observation
+    def observe_verification(
+        self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]
+    ) -> None:
+        self.calibrator.observe_verification(tree, verified, accepted)
+
+    def observe_forward(self, tokens: int, context: int, seconds: float) -> None:
+        self.verify_cost.observe(tokens, context, seconds)

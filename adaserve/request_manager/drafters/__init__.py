@@ -1,0 +1,32 @@
+"""Drafters: who proposes candidate trees (a draft model, the suffix index, or both)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from adaserve.request_manager.drafters.base import Drafter, KeepGoing
+
+if TYPE_CHECKING:
+    from adaserve.config import SchedulerConfig
+    from adaserve.exec.engine import ExecutionEngine
+
+__all__ = ["Drafter", "KeepGoing", "make_drafter"]
+
+
+def make_drafter(name: str, cfg: SchedulerConfig, engine: ExecutionEngine) -> Drafter:
+    """The drafter called `name` ("model", "suffix" or "model+suffix")."""
+    from adaserve.request_manager.drafters.combined import CombinedDrafter
+    from adaserve.request_manager.drafters.model import ModelDrafter
+    from adaserve.request_manager.drafters.suffix import SuffixDrafter
+
+    def build(part: str) -> Drafter:
+        if part == "suffix":
+            return SuffixDrafter(cfg)
+        if part == "model":
+            if engine.draft is None:
+                raise ValueError(f"drafter {name!r} needs a draft model (draft_model=DIR)")
+            return ModelDrafter(engine.draft, engine.draft_graphs)
+        raise ValueError(f"unknown drafter {part!r}")
+
+    parts = [build(p) for p in name.split("+")]
+    return parts[0] if len(parts) == 1 else CombinedDrafter(parts)

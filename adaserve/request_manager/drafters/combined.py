@@ -1,0 +1,41 @@
+"""Several drafters at once: their trees merged per request, the selection picks from the union."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from adaserve.request_manager.drafters.base import Drafter, KeepGoing
+from adaserve.request_manager.policies import SpecShape
+from adaserve.request_manager.request import Request
+from adaserve.tree import CandidateTree, merge_trees
+
+
+class CombinedDrafter(Drafter):
+    """`model+suffix`: identical paths merge (noisy-OR of probabilities, see `merge_trees`)."""
+
+    def __init__(self, parts: Sequence[Drafter]) -> None:
+        if len(parts) < 2:
+            raise ValueError(f"a combined drafter needs at least two drafters, got {len(parts)}")
+        self.parts = list(parts)
+        self.name = "+".join(p.name for p in parts)
+        self.costly = any(p.costly for p in parts)
+
+    def scratch_tokens(self, shape: SpecShape) -> int:
+        return max(p.scratch_tokens(shape) for p in self.parts)
+
+    def propose(
+        self, requests: Sequence[Request], shape: SpecShape, keep_going: KeepGoing | None = None
+    ) -> list[CandidateTree]:
+        merged = self.parts[0].propose(requests, shape, keep_going)
+        for part in self.parts[1:]:
+            trees = part.propose(requests, shape, keep_going)
+            merged = [merge_trees(a, b) for a, b in zip(merged, trees)]
+        return merged
+
+    def on_finish(self, request: Request) -> None:
+        for p in self.parts:
+            p.on_finish(request)
+
+    def on_release(self, request: Request) -> None:
+        for p in self.parts:
+            p.on_release(request)

@@ -1,0 +1,124 @@
+"""Speculation control: drafting stops when it loses, stays on when it pays, prunes by cost."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from adaserve import SamplingParams
+from adaserve.config import SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
+from adaserve.request_manager.control import SpeculationController
+from adaserve.tree import CandidateTree
+from tests.request_manager.test_speculative import (
+    PROMPTS,
+    SLOS,
+    assert_no_blocks_held,
+    make_engine,
+    pair,  # noqa: F401 (fixture)
+    run,
+    slow_target,
+)
+
+
+def greedy(max_tokens: int = 60) -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, slo_tpot_ms=s)
+        for s in SLOS
+    ]
+
+
+def test_a_random_draft_stops_drafting_after_the_warm_up(pair):  # noqa: F811
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), PROMPTS, greedy())
+    engine = make_engine(pair["target"], pair["random"], "adaserve")
+    got, stats = run(engine, PROMPTS, greedy())
+    assert got == ref, "controlled adaserve changed the greedy output"
+    decode = [s for s in stats if s.kind == "decode"]
+    drafted = [i for i, s in enumerate(decode) if s.drafted]
+    ctl = engine.scheduler.controller
+    # Warm-up (3 scored iterations), then only probes at growing intervals (8, 16, 32, ...).
+    probes = math.ceil(math.log2(len(decode) / 8 + 1)) + 1
+    assert len(drafted) <= 3 + probes, (
+        f"a draft that never pays still drafted in {len(drafted)} of {len(decode)} iterations "
+        f"(at {drafted})"
+    )
+    assert ctl.num_skipped_drafts == len(decode) - len(drafted)
+    assert_no_blocks_held(engine)
+
+
+def test_a_good_draft_next_to_a_costly_target_stays_on(pair):  # noqa: F811
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), PROMPTS, greedy(40))
+    engine = slow_target(make_engine(pair["target"], pair["copy"], "adaserve"), 0.1)
+    got, stats = run(engine, PROMPTS, greedy(40))
+    assert got == ref, "controlled adaserve changed the greedy output"
+    decode = [s for s in stats if s.kind == "decode"]
+    drafted = sum(s.drafted for s in decode)
+    assert drafted >= 0.9 * len(decode), f"drafting ran in only {drafted} of {len(decode)}"
+    accepted = sum(s.accepted_tokens for s in decode) / sum(s.num_requests for s in decode)
+    assert accepted > 1.0, f"draft = target, yet only {accepted:.2f} accepted per request-iteration"
+
+
+def test_the_suffix_drafter_finds_answers_it_has_served_before(pair):  # noqa: F811
+    # The same questions again: the global cache of finished outputs holds every answer.
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3, 4]]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    for policy in ("adaserve", "adaserve_paper", "global_greedy", "sequence"):
+        engine = make_engine(pair["target"], None, policy)
+        assert engine.scheduler.drafter.name == "suffix", "no draft model: the suffix drafter"
+        first, _ = run(engine, prompts, params)
+        again, stats = run(engine, prompts, params)
+        assert first == ref and again == ref, f"{policy} with the suffix drafter differs"
+        decode = [s for s in stats if s.kind == "decode"]
+        accepted = sum(s.accepted_tokens for s in decode)
+        assert accepted > 60, f"{policy}: only {accepted} of 177 repeated tokens accepted"
+        assert len(decode) < 40, f"{policy}: {len(decode)} iterations for 60 tokens known ahead"
+        assert_no_blocks_held(engine)
+
+
+def _cost(g_ms: dict[int, float]) -> ForwardCostModel:
+    model = ForwardCostModel()
+    model.seed([(n, 0, ms / 1000) for n, ms in g_ms.items()], weight=100.0)
+    return model
+
+
+def _tree(probs: list[float]) -> CandidateTree:
+    """A chain below the root with the given conditional probabilities."""
+    tree = CandidateTree.root(1)
+    parent = 0
+    for i, p in enumerate(probs):
+        (parent,) = tree.add_nodes([parent], [10 + i], [math.log(p)])
+    return tree
+
+
+@pytest.mark.parametrize(
+    "g_ms, expected_nodes",
+    [
+        # Flat cost up to 8 tokens: every node with f > 0 adds tokens for free.
+        ({1: 50, 2: 50, 4: 50, 8: 50, 16: 100}, 4),
+        # Each token costs more: the 4th node (f = 0.072) does not buy its 5 ms.
+        ({1: 50, 2: 80, 3: 85, 4: 90, 5: 95, 8: 110, 16: 150}, 3),
+        # Anything beyond one token doubles the time: plain decoding.
+        ({1: 50, 2: 100, 4: 200, 8: 400, 16: 800}, 0),
+    ],
+)
+def test_prune_keeps_the_tree_size_with_the_best_tokens_per_second(g_ms, expected_nodes):
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    ctl = SpeculationController(cfg, False, 16, _cost(g_ms))
+    tree = _tree([0.9, 0.8, 0.5, 0.2])  # f = 0.9, 0.72, 0.36, 0.072
+    selection = [[0, 1, 2, 3, 4]]
+    kept, expected = ctl.prune([tree], selection, [[0]], context=0)
+    assert kept == [list(range(expected_nodes + 1))], f"kept {kept} for costs {g_ms}"
+    f = [1.0, 0.9, 0.72, 0.36, 0.072]
+    assert expected == pytest.approx(sum(f[: expected_nodes + 1])), "expected tokens mis-added"
+
+
+def test_prune_drops_slo_step_nodes_last():
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    # Two roots; one extra token is worth it, two are not.
+    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 50, 3: 55, 4: 120}))
+    weak, strong = _tree([0.3]), _tree([0.9])
+    # The weak tree's node came from the SLO step: it is kept, the stronger one is dropped.
+    kept, _ = ctl.prune([weak, strong], [[0, 1], [0, 1]], [[0, 1], [0]], context=0)
+    assert kept == [[0, 1], [0]], f"the SLO step's node was not kept first: {kept}"
