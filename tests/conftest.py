@@ -12,6 +12,8 @@ import pytest
 import torch
 
 _TEST_CACHE: Path | None = None
+# The user's cache as it was before the tests redirected ADASERVE_CACHE.
+REAL_CACHE: Path | None = None
 
 
 def pytest_configure(config) -> None:
@@ -20,13 +22,13 @@ def pytest_configure(config) -> None:
     Tests must leave nothing in the user's cache that changes what `adaserve serve` does (a
     profile measured under the test run's load would be trusted by the next server start).
     """
-    global _TEST_CACHE
+    global _TEST_CACHE, REAL_CACHE
     from adaserve.exec.default_model import MODEL_NAME, default_model_dir
     from adaserve.exec.loader import cache_root
 
     if _TEST_CACHE is not None:
         return
-    real = cache_root()
+    real = REAL_CACHE = cache_root()
     default_model_dir()  # fetched and converted once into the user's cache, as `serve` would
     _TEST_CACHE = Path(tempfile.mkdtemp(prefix="adaserve-test-cache-"))
     (_TEST_CACHE / "models").mkdir()

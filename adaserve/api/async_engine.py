@@ -351,3 +351,6 @@ class AsyncEngine:
             alloc.num_blocks,
             sched.num_preemptions,
         )
+        ctl = sched.controller
+        if ctl is not None:
+            self.metrics.set_calibration(ctl.calibrator.depth_summary(), ctl.drafting_on)

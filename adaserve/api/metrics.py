@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from adaserve.request_manager.calibration import DepthCalibration
 from adaserve.request_manager.scheduler import IterationStats
 
 NO_SLO_CLASS = "none"
@@ -200,6 +201,54 @@ class ServerMetrics:
         self.spec_accepted_tokens = Counter(
             "adaserve_spec_decode_num_accepted_tokens", "Speculated tokens accepted", registry=r
         )
+        # Speculation control: is the draft trustworthy, and is drafting on?
+        depth = ["depth"]
+        self.calibration_draft = Gauge(
+            "adaserve_calibration_draft_probability",
+            "Mean draft probability of recently verified nodes at each tree depth "
+            "(what the drafter predicted)",
+            depth,
+            registry=r,
+        )
+        self.calibration_predicted = Gauge(
+            "adaserve_calibration_predicted_acceptance",
+            "Mean calibrated acceptance the scheduler predicted for those nodes",
+            depth,
+            registry=r,
+        )
+        self.calibration_observed = Gauge(
+            "adaserve_calibration_observed_acceptance",
+            "Observed acceptance of those nodes (given their parent was accepted)",
+            depth,
+            registry=r,
+        )
+        self.calibration_observations = Gauge(
+            "adaserve_calibration_observations",
+            "Verified nodes the calibration at each depth rests on (decayed count)",
+            depth,
+            registry=r,
+        )
+        self.drafting = Gauge(
+            "adaserve_speculation_drafting",
+            "1 while speculation control lets the drafter run, 0 while it is off",
+            registry=r,
+        )
+        self.skipped_drafts = Counter(
+            "adaserve_speculation_skipped_drafts",
+            "Decode iterations of a speculative policy that ran without drafting",
+            registry=r,
+        )
+        self.padded_tokens = Counter(
+            "adaserve_iteration_padded_tokens",
+            "Padding rows added to verify forwards because the padded size runs faster",
+            registry=r,
+        )
+        self.drafter_info = Gauge(
+            "adaserve_drafter_info",
+            "The policy and drafter this server runs",
+            ["policy", "drafter"],
+            registry=r,
+        )
         # Make every label combination visible from the start (a class with no traffic yet
         # shows 0 instead of being absent, which dashboards and tests read more easily).
         for name in [c for c, _ in slo_classes] + [NO_SLO_CLASS]:
@@ -256,6 +305,9 @@ class ServerMetrics:
         self.stage_s.labels("draft").observe(stats.draft_s)
         self.stage_s.labels("select").observe(stats.select_s)
         self.stage_s.labels("verify").observe(stats.verify_s)
+        self.padded_tokens.inc(max(stats.padded_tokens - stats.num_tokens, 0))
+        if stats.speculative and not stats.drafted:
+            self.skipped_drafts.inc()
         if stats.depth > 0:
             # A speculative iteration drafted for every running request (vLLM counts one
             # "draft" per request per step the same way).
@@ -273,6 +325,18 @@ class ServerMetrics:
         if preemptions > self._seen_preemptions:
             self.preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions
+
+    def set_calibration(self, depths: list[DepthCalibration], drafting: bool) -> None:
+        """Per depth: what the draft said, what we predicted, what the target accepted."""
+        self.drafting.set(1 if drafting else 0)
+        for d in depths:
+            if d.observations <= 0 or d.acceptance_rate is None:
+                continue
+            label = str(d.depth)
+            self.calibration_draft.labels(label).set(d.mean_draft_prob or 0.0)
+            self.calibration_predicted.labels(label).set(d.mean_calibrated_prob or 0.0)
+            self.calibration_observed.labels(label).set(d.acceptance_rate)
+            self.calibration_observations.labels(label).set(d.observations)
 
     def render(self) -> bytes:
         """The exposition text of every metric."""

@@ -47,6 +47,9 @@ def served_model_name(engine: LLMEngine, cfg: ServerConfig) -> str:
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
     metrics = ServerMetrics(cfg.slo_classes)
+    drafter = engine.scheduler.drafter
+    drafter_name = drafter.name if drafter is not None else "none"
+    metrics.drafter_info.labels(engine.sched_cfg.policy, drafter_name).set(1)
     async_engine = AsyncEngine(engine, metrics)
     name = served_model_name(engine, cfg)
     serving = OpenAIServing(async_engine, cfg, name, engine.sched_cfg.max_waiting)
@@ -109,7 +112,14 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         if serving.draining or not async_engine.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         sched = engine.sched_cfg  # frozen: safe to read from this thread
-        return JSONResponse({"status": "ok", "policy": sched.policy, "budget": sched.budget})
+        return JSONResponse(
+            {
+                "status": "ok",
+                "policy": sched.policy,
+                "budget": sched.budget,
+                "drafter": drafter_name,
+            }
+        )
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

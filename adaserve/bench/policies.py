@@ -23,6 +23,7 @@ CONFIGS = [
     ("sequence γ=4", {"policy": "sequence", "gamma": 4}),
     ("specinfer", {"policy": "specinfer"}),
     ("global_greedy", {"policy": "global_greedy"}),
+    ("adaserve_paper", {"policy": "adaserve_paper"}),
     ("adaserve", {"policy": "adaserve"}),
 ]
 
@@ -77,6 +78,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--draft-model", default=None, help="default: the default model's draft")
+    ap.add_argument(
+        "--drafter",
+        default="model",
+        help="model, suffix or model+suffix (model without --draft-model: the default draft)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
@@ -84,7 +90,10 @@ def main() -> None:
     ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
     args = ap.parse_args()
     slos = [s or None for s in args.slos]
-    print(f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms\n")
+    print(
+        f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms, "
+        f"drafter {args.drafter} {args.draft_model or ''}\n"
+    )
     print(
         "| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
         "| select ms | verify ms | SLO attained |"
@@ -99,7 +108,7 @@ def main() -> None:
         ):
             continue
         engine = LLMEngine(
-            ModelConfig(model=args.model, draft_model=args.draft_model),
+            ModelConfig(model=args.model, draft_model=args.draft_model, drafter=args.drafter),
             CacheConfig(),
             SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
         )

@@ -37,6 +37,7 @@ class IterationStats:
     num_requests: int
     num_tokens: int  # tokens in the target forward (prompt tokens or tree tokens)
     padded_tokens: int = 0  # tokens the forward ran, padding included
+    speculative: bool = False  # the policy speculates (whether or not it drafted now)
     drafted: bool = False  # the drafter ran this iteration
     draft_nodes: int = 0  # non-root nodes the drafter proposed
     tree_tokens: int = 0  # non-root tree nodes verified
@@ -264,7 +265,9 @@ class Scheduler:
         if not self.running:
             return cut_short
         reqs = list(self.running)
-        stats = IterationStats("decode", len(reqs), 0, budget=self.cfg.budget)
+        stats = IterationStats(
+            "decode", len(reqs), 0, budget=self.cfg.budget, speculative=self.cfg.speculative
+        )
         context = sum(r.num_cached for r in reqs)
         ctl = self.controller
         if shape is None:

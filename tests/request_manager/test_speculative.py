@@ -18,9 +18,15 @@ from tests.stats import chi_square
 BUDGETED = ("adaserve", "adaserve_paper", "global_greedy", "equal_greedy")
 
 
-def make_engine(target, draft, policy: str, num_blocks: int = 128, **sched) -> LLMEngine:
+def make_engine(
+    target, draft, policy: str, num_blocks: int = 128, drafter: str = "auto", **sched
+) -> LLMEngine:
     return LLMEngine(
-        ModelConfig(model=str(target), draft_model=None if draft is None else str(draft)),
+        ModelConfig(
+            model=str(target),
+            draft_model=None if draft is None else str(draft),
+            drafter=drafter,
+        ),
         CacheConfig(block_size=4, num_blocks=num_blocks),
         SchedulerConfig(policy=policy, **sched),
     )
@@ -92,6 +98,27 @@ def test_greedy_output_equals_incremental(pair, policy, draft_kind):
     assert_no_blocks_held(engine)
 
 
+def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(default_model_dir):
+    doc = (
+        "The committee met on Tuesday. The committee approved the budget for the new library, "
+        "and the committee asked the city to publish the budget for the new library online."
+    )
+    prompts = [
+        f"Repeat this text exactly: {doc}\n",
+        "def add(a, b):\n    return a + b\n\ndef add3(a, b, c):\n",
+        "List three fruits:",
+    ]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
+    ref, _ = run(make_engine(default_model_dir, None, "incremental", num_blocks=256), prompts, params)
+    for policy in [p for p in POLICIES if p != "incremental"]:
+        engine = make_engine(default_model_dir, None, policy, num_blocks=256, drafter="suffix")
+        got, stats = run(engine, prompts, params)
+        assert got == ref, f"{policy} with the suffix drafter differs from incremental greedy"
+        accepted = sum(s.accepted_tokens for s in stats if s.kind == "decode")
+        assert accepted > 0, f"{policy}: the suffix drafter never got a token accepted"
+        assert_no_blocks_held(engine)
+
+
 def test_default_target_with_a_four_layer_draft_is_lossless(default_model_dir, tmp_path):
     from adaserve.exec.default_model import make_layer_draft
 
@@ -130,16 +157,21 @@ def slow_target(engine: LLMEngine, seconds: float) -> LLMEngine:
     return engine
 
 
-@pytest.mark.parametrize("policy", ["adaserve_paper", "adaserve"])
-def test_sampling_under_adaserve_has_the_target_distribution(tmp_path, policy):
+@pytest.mark.parametrize(
+    "policy, drafter", [("adaserve_paper", "model"), ("adaserve", "model"), ("adaserve", "suffix")]
+)
+def test_sampling_under_adaserve_has_the_target_distribution(tmp_path, policy, drafter):
     vocab, n = 6, 20000
     target = make_tiny_checkpoint(tmp_path / "t", vocab_size=vocab, seed=3)
     draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, seed=4, num_layers=1)
     prompt = [2, 3, 4]
     if policy == "adaserve":
         # Control keeps speculating only where it pays: a good draft next to a costly target.
-        draft = target
-    engine = make_engine(target, draft, policy, num_blocks=2048, max_num_seqs=256, budget=512)
+        # The suffix drafter proposes from earlier requests' outputs (the global cache).
+        draft = target if drafter == "model" else None
+    engine = make_engine(
+        target, draft, policy, num_blocks=2048, drafter=drafter, max_num_seqs=256, budget=512
+    )
     if policy == "adaserve":
         slow_target(engine, 0.1)
     params = [

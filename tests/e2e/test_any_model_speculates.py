@@ -1,0 +1,36 @@
+"""`adaserve serve DIR` with any checkpoint and no draft model speculates (suffix drafter)."""
+
+from __future__ import annotations
+
+import httpx
+
+from tests import conftest
+from tests.e2e.harness import metric, read_metrics, serve_subprocess
+
+
+def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(tiny_llama):
+    with serve_subprocess(str(tiny_llama)) as url:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["policy"] == "adaserve" and health["drafter"] == "suffix", health
+        body = {
+            "model": str(tiny_llama),
+            "prompt": "t5 t6 t7 t8",
+            "max_tokens": 48,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+        first = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        # The same prompt again: its answer is in the global cache of finished outputs.
+        again = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["text"] == first["choices"][0]["text"]
+        m = read_metrics(url)
+        accepted = metric(m, "adaserve_spec_decode_num_accepted_tokens_total")
+        assert accepted >= 10, f"only {accepted} tokens accepted from a repeated answer"
+        assert metric(m, "adaserve_drafter_info", policy="adaserve", drafter="suffix") == 1
+        observed = [
+            v for (name, _), v in m.items() if name == "adaserve_calibration_observed_acceptance"
+        ]
+        assert observed and all(0 <= v <= 1 for v in observed), f"calibration: {observed}"
+    # The start-up profile went to the tests' own cache, never to the user's.
+    assert conftest.REAL_CACHE is not None
+    assert not list((conftest.REAL_CACHE / "profiles").glob("tiny*")), "a test wrote a profile"
