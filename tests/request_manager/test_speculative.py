@@ -109,7 +109,8 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
         "List three fruits:",
     ]
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
-    ref, _ = run(make_engine(default_model_dir, None, "incremental", num_blocks=256), prompts, params)
+    incremental = make_engine(default_model_dir, None, "incremental", num_blocks=256)
+    ref, _ = run(incremental, prompts, params)
     for policy in [p for p in POLICIES if p != "incremental"]:
         engine = make_engine(default_model_dir, None, policy, num_blocks=256, drafter="suffix")
         got, stats = run(engine, prompts, params)
