@@ -298,6 +298,7 @@ register(
 )
 from adaserve.bench import command as bench_command  # noqa: E402
 from adaserve.distill import cli as distill_cli  # noqa: E402
+from adaserve.distill import vocab as draft_vocab  # noqa: E402
 from adaserve.exec import profile as exec_profile  # noqa: E402
 
 register(
@@ -311,6 +312,12 @@ register(
     "train a draft model for a target by distillation (KL to the target on its own text)",
     distill_cli.add_arguments,
     distill_cli.run,
+)
+register(
+    "draft-vocab",
+    "rank the target's output tokens for a draft's reduced-vocabulary head",
+    draft_vocab.add_arguments,
+    draft_vocab.run,
 )
 register(
     "bench",

@@ -30,6 +30,11 @@ class ModelConfig:
     # Who proposes candidate trees (DRAFTERS); "model" without draft_model takes the default
     # target's truncated draft.
     drafter: str = "auto"
+    # A draft model's LM head keeps only the target's K most frequent output tokens (None:
+    # the full vocabulary); the ranking comes from `draft_vocab_file`, else the one shipped for
+    # the default target, else token-id order. Default K: see docs/speculation.md.
+    draft_vocab_size: int | None = 16384
+    draft_vocab_file: str | None = None
     dtype: str = "float32"
     device: str = "cpu"
     # None: the model's own max_position_embeddings.
@@ -44,6 +49,8 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be >= 1 or None, got {self.draft_vocab_size}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if self.drafter == "suffix" and self.draft_model is not None:

@@ -16,6 +16,7 @@ import torch
 from adaserve.config import CacheConfig, ModelConfig
 from adaserve.exec.attention.base import AttentionBackend, AttentionMetadata
 from adaserve.exec.attention.torch_ref import TorchAttentionBackend
+from adaserve.exec.draft_vocab import draft_vocab_ids
 from adaserve.exec.kv_cache import KVCache, blocks_for_memory
 from adaserve.exec.loader import (
     check_draft_compatible,
@@ -203,6 +204,11 @@ class ExecutionEngine:
             check_draft_compatible(self.target_path, self.draft_path)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
             self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
+            k = model_cfg.draft_vocab_size
+            vocab = self.draft.model.args.vocab_size
+            if k is not None and k < vocab:
+                ids = draft_vocab_ids(self.target_path.name, vocab, k, model_cfg.draft_vocab_file)
+                self.draft.model.restrict_head(torch.tensor(ids, dtype=torch.long))
         args = self.target.model.args
         limit = args.max_position_embeddings
         if args.sliding_window is not None:

@@ -211,6 +211,9 @@ class LlamaForCausalLM(nn.Module):
             else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
+        # A draft's reduced-vocabulary head (restrict_head): token ids and their weight rows.
+        self.head_token_ids: torch.Tensor | None = None
+        self.head_weight: torch.Tensor | None = None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -224,9 +227,23 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] -> float32 logits [N, vocab]."""
+        """hidden [N, hidden_size] -> float32 logits [N, vocab] (or [N, K], see restrict_head)."""
+        if self.head_weight is not None:
+            return F.linear(hidden, self.head_weight).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(hidden, weight).float()
+
+    def restrict_head(self, token_ids: torch.Tensor | None) -> None:
+        """Compute logits only for `token_ids` [K] (a draft's reduced vocabulary); None: all.
+
+        Logit column j then stands for token `token_ids[j]`; callers map it back.
+        """
+        if token_ids is None:
+            self.head_token_ids = self.head_weight = None
+            return
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.head_token_ids = token_ids.to(weight.device)  # [K] int64
+        self.head_weight = weight[self.head_token_ids].contiguous()  # [K, hidden]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up; raise if anything is missing."""

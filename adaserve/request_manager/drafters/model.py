@@ -72,8 +72,10 @@ def speculate(
             logits="last",
         )
         r.draft_num_cached = n
-    logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V]
-    frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, step=0)
+    # With a reduced-vocabulary head, column j is token vocab[j] (K columns instead of V).
+    vocab = draft.model.head_token_ids
+    logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V or K]
+    frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, 0, vocab)
     scratch: list[dict[int, int]] = [{} for _ in requests]  # node -> draft KV index
     for step in range(1, shape.depth):
         if keep_going is not None and not keep_going(trees, frontier):
@@ -98,7 +100,7 @@ def speculate(
         else:
             logits = draft.forward(builder.batch)  # [R * width, V]
         logprobs = torch.log_softmax(logits, dim=-1).view(len(requests), width, -1)
-        frontier = _grow(trees, frontier, logprobs, shape, step)
+        frontier = _grow(trees, frontier, logprobs, shape, step, vocab)
     for r in requests:
         draft.cache.truncate(r.draft_block_table, r.num_tokens)
     return trees
@@ -110,14 +112,20 @@ def _grow(
     logprobs: torch.Tensor,
     shape: SpecShape,
     step: int,
+    vocab: torch.Tensor | None = None,
 ) -> list[list[int]]:
-    """Add the next level to every tree; logprobs [R, F, V] for the F frontier nodes of each."""
+    """Add the next level to every tree; logprobs [R, F, V] for the F frontier nodes of each.
+
+    `vocab` [V'] maps logit columns to token ids for a reduced-vocabulary head.
+    """
     new_frontier = []
     if shape.expansion is None:
         path = torch.tensor(
             [[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)]
         )
         parent, token, tok_lp, _ = beam_search_step(path, logprobs, shape.width)
+        if vocab is not None:
+            token = vocab.to(token.device)[token]
         for i, tree in enumerate(trees):
             parents = [frontier[i][p] for p in parent[i].tolist()]
             new_frontier.append(tree.add_nodes(parents, token[i].tolist(), tok_lp[i].tolist()))
@@ -125,6 +133,8 @@ def _grow(
     k = shape.expansion[step]
     r, f, v = logprobs.shape
     token, tok_lp = expand_step(logprobs.reshape(r * f, v), k)  # [R*F, k]
+    if vocab is not None:
+        token = vocab.to(token.device)[token]
     token, tok_lp = token.view(r, f * k), tok_lp.view(r, f * k)
     for i, tree in enumerate(trees):
         parents = [node for node in frontier[i] for _ in range(k)]
