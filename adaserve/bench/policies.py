@@ -2,8 +2,10 @@
 
     python -m adaserve.bench.policies [--concurrency 1 4 16] [--max-tokens 32]
 
-Every policy gets the same prompts, greedy, in the same run; requests carry mixed TPOT SLOs
-(--slos, ms; 0 = none). Prints a markdown table.
+Every policy gets the same prompts, greedy, in the same run, taking turns at each concurrency
+(--repeats runs each, the median reported); requests carry mixed TPOT SLOs (--slos, ms;
+0 = none). The engines live through the whole run, so speculation control's calibration and
+cost model carry over from one point to the next as in a server. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+
+import torch
 
 from adaserve import LLMEngine, SamplingParams
 from adaserve.bench.prompts import prompts
@@ -83,7 +87,14 @@ def main() -> None:
         default="model",
         help="model, suffix or model+suffix (model without --draft-model: the default draft)",
     )
+    ap.add_argument(
+        "--quantize-draft",
+        action="store_true",
+        help="int8 dynamic quantization of the draft's linear layers (e.g. with --draft-model "
+        "set to the target itself: the int8 target as its own draft)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median counts")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument("--slos", type=float, nargs="+", default=[150.0, 400.0, 0.0])
@@ -99,7 +110,7 @@ def main() -> None:
         "| select ms | verify ms | SLO attained |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    base: dict[int, float] = {}
+    engines: dict[str, LLMEngine] = {}
     for label, overrides in CONFIGS:
         if (
             args.policies
@@ -112,12 +123,26 @@ def main() -> None:
             CacheConfig(),
             SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
         )
+        if args.quantize_draft and engine.engine.draft is not None:
+            torch.ao.quantization.quantize_dynamic(
+                engine.engine.draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+            )
+            engine.apply_profile(args.budget, engine.sched_cfg.t_spec_init_s)  # re-measure costs
         run(engine, prompts(2), 4, slos)  # warm-up
-        for c in args.concurrency:
-            r = run(engine, prompts(c), args.max_tokens, slos)
-            base.setdefault(c, r.tokens_per_s)
+        engines[label] = engine
+    # Policies take turns at every concurrency, `--repeats` times; the median run is reported,
+    # so a disturbance of the machine hits one run of one policy, not a whole column.
+    for c in args.concurrency:
+        runs: dict[str, list[Result]] = {label: [] for label in engines}
+        for _ in range(args.repeats):
+            for label, engine in engines.items():
+                runs[label].append(run(engine, prompts(c), args.max_tokens, slos))
+        base = None
+        for label, results in runs.items():
+            r = sorted(results, key=lambda x: x.tokens_per_s)[len(results) // 2]
+            base = base or r.tokens_per_s
             print(
-                f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base[c]:.2f}x "
+                f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x "
                 f"| {r.accepted_per_iter:.2f} | {r.iter_ms:.0f} | {r.draft_ms:.0f} "
                 f"| {r.select_ms:.1f} | {r.verify_ms:.0f} | {100 * r.slo_attained:.0f}% |",
                 flush=True,

@@ -266,6 +266,10 @@ def forward_cost_points(
     """
     counts = sorted({*range(1, min(16, max_tokens) + 1), *_token_counts(max_tokens)})
     time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
+    # A small KV pool cannot hold every shape at this context: shrink the context, not the curve.
+    cache = runner.cache
+    per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
+    context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
     points = []
     for tokens in counts:
         ms = time_forward(runner, tokens, context, repeats)

@@ -186,6 +186,10 @@ class AcceptanceCalibrator:
                 continue
             self.observe(tree.depths[v], math.exp(tree.logprobs[v]), v in accepted)
 
+    def observations(self, depth: int) -> float:
+        """Decayed count of observations at `depth` (deeper than max_depth: the last row)."""
+        return sum(self._trials[self._row(depth)])
+
     def depth_summary(self) -> list[DepthCalibration]:
         """Per depth 1..max_depth: observations, mean draft q, mean calibrated, acceptance rate."""
         out = []

@@ -17,7 +17,9 @@ forward time by tokens and context, measured from the iterations the server runs
 3. Which nodes?  The policy's selection runs on calibrated trees; then nodes are dropped, the
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
-   decoding, so an iteration never predicts fewer tokens per second than incremental.
+   decoding, so an iteration never predicts fewer tokens per second than incremental. Until
+   EXPLORE_OBSERVATIONS depth-1 nodes have been verified nothing is pruned, so a cold
+   calibration learns what the drafter is worth instead of never trying it.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ MIN_SCORED = 3
 # the exact size anyway to keep measuring it.
 PAD_MIN_SAVING = 0.1
 PAD_EXPLORE = 16
+# Until this many depth-1 nodes were verified, trees are not pruned: the calibration must
+# first see what the drafter is worth (its raw probabilities may be far off either way).
+EXPLORE_OBSERVATIONS = 16
 
 
 class SpeculationController:
@@ -49,7 +54,9 @@ class SpeculationController:
         costly_drafter: bool,
         max_pad_tokens: int,
         verify_cost: ForwardCostModel,
+        draft_cost: ForwardCostModel | None = None,
     ) -> None:
+        """`draft_cost`: time of one draft step by tokens fed (costly drafters; measured)."""
         self.cfg = cfg
         self.costly_drafter = costly_drafter
         self.max_pad_tokens = max_pad_tokens
@@ -60,7 +67,7 @@ class SpeculationController:
             decay=cfg.calibration_decay,
         )
         self.verify_cost = verify_cost
-        self.draft_step_s = 0.0
+        self.draft_cost = draft_cost
         self.score = 1.0  # moving average of R
         self.num_scored = 0
         self.off_until = -1  # iteration index before which drafting stays off
@@ -72,13 +79,42 @@ class SpeculationController:
         self.num_padded = 0  # forwards for which padding was predicted cheaper
 
     # ------------------------------------------------------------------ 1. draft at all?
-    def should_draft(self) -> bool:
+    def should_draft(self, num_requests: int, shape: SpecShape, context: int) -> bool:
         self.iteration += 1
-        if not self.costly_drafter or self.iteration >= self.off_until:
+        if not self.costly_drafter:
+            self.num_draft_iterations += 1
+            return True
+        if (
+            self.iteration >= self.off_until
+            and self.best_case_ratio(num_requests, shape, context) < 1
+        ):
+            # Even a draft the target always agreed with could not pay for its steps here:
+            # look again only after the longest probe interval (costs may change).
+            self.off_until = self.iteration + self.cfg.probe_interval_max
+        if self.iteration >= self.off_until:
             self.num_draft_iterations += 1
             return True
         self.num_skipped_drafts += 1
         return False
+
+    def best_case_ratio(self, n: int, shape: SpecShape, context: int) -> float:
+        """R if every drafted token were accepted, at the best depth k <= d (chains)."""
+        step_tokens = n * (shape.frontier_sizes()[0] if shape.depth else 1)
+        best = 0.0
+        for k in range(1, shape.depth + 1):
+            spec = (
+                n
+                * (1 + k)
+                / (k * self.draft_step_s(step_tokens, context) + self.forward_s(n + n * k, context))
+            )
+            best = max(best, spec)
+        return best / (n / self.forward_s(n, context))
+
+    def draft_step_s(self, tokens: int, context: int) -> float:
+        """Predicted time of one draft step feeding `tokens` tokens (0 for a free drafter)."""
+        if self.draft_cost is None or not self.costly_drafter:
+            return 0.0
+        return self.draft_cost.predict(max(1, tokens), context)
 
     @property
     def drafting_on(self) -> bool:
@@ -101,10 +137,12 @@ class SpeculationController:
         else:
             self.probe_interval = self.cfg.probe_interval_min
 
-    def record_draft_time(self, seconds: float, steps: int) -> None:
-        per_step = seconds / max(1, steps)
-        w = 1.0 if self.draft_step_s == 0.0 else SCORE_EMA
-        self.draft_step_s = (1 - w) * self.draft_step_s + w * per_step
+    def record_draft_time(
+        self, seconds: float, steps: int, tokens_per_step: int, context: int
+    ) -> None:
+        """A drafting iteration's measured time refines the draft step's cost model."""
+        if self.draft_cost is not None:
+            self.draft_cost.observe(max(1, tokens_per_step), context, seconds / max(1, steps))
 
     # ------------------------------------------------------------------ 2. how deep?
     def forward_s(self, tokens: int, context: int) -> float:
@@ -144,14 +182,15 @@ class SpeculationController:
             extra = self.forward_s(num_requests + nodes, context) - self.forward_s(
                 num_requests, context
             )
-            return mass * token_s >= self.draft_step_s + max(extra, 0.0) / 2
+            step_s = self.draft_step_s(nodes, context)
+            return mass * token_s >= step_s + max(extra, 0.0) / 2
 
         return decide
 
     def t_spec_s(self, num_requests: int, context: int, shape: SpecShape) -> float:
         """Predicted iteration time for A(r): the draft steps plus a forward at the budget."""
         tokens = max(num_requests, min(self.cfg.budget, num_requests * shape.max_nodes))
-        draft = self.draft_step_s * shape.depth if self.costly_drafter else 0.0
+        draft = shape.depth * self.draft_step_s(num_requests * shape.width, context)
         return draft + self.forward_s(tokens, context)
 
     # ------------------------------------------------------------------ 3. which nodes?
@@ -171,6 +210,9 @@ class SpeculationController:
         Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
+        if self.calibrator.observations(1) < EXPLORE_OBSERVATIONS:
+            expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
+            return [list(s) for s in selections], expected
         # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties
         # (f never grows along a path, so a node goes only after its selected children).
         removable = []

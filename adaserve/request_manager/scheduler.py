@@ -88,8 +88,13 @@ class Scheduler:
             if cost_model is None:
                 cost_model = ForwardCostModel(forget=cfg.cost_forget)
                 cost_model.seed(forward_cost_points(engine.target, cfg.budget))
+            draft_cost = None
+            if self.drafter.costly and engine.draft is not None:
+                # A draft step feeds up to max_num_seqs * W_max frontier tokens.
+                draft_cost = ForwardCostModel(forget=cfg.cost_forget)
+                draft_cost.seed(forward_cost_points(engine.draft, cfg.budget))
             self.controller = SpeculationController(
-                cfg, self.drafter.costly, cfg.budget, cost_model
+                cfg, self.drafter.costly, cfg.budget, cost_model, draft_cost
             )
 
     # ------------------------------------------------------------------ queue management
@@ -254,8 +259,11 @@ class Scheduler:
     def _shape(self) -> SpecShape | None:
         """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
         shape = spec_shape(self.cfg, len(self.running))
-        if shape is not None and self.controller is not None and not self.controller.should_draft():
-            return None
+        ctl = self.controller
+        if shape is not None and ctl is not None:
+            context = sum(r.num_cached for r in self.running)
+            if not ctl.should_draft(len(self.running), shape, context):
+                return None
         return shape
 
     def _decode(self) -> list[Request]:
@@ -305,7 +313,8 @@ class Scheduler:
         if shape is not None:
             self.t_spec.update(stats.total_s)
             if ctl is not None and self.drafter is not None and self.drafter.costly:
-                ctl.record_draft_time(stats.draft_s, max(max(t.depths) for t in trees))
+                steps = max(max(t.depths) for t in trees)
+                ctl.record_draft_time(stats.draft_s, steps, len(reqs) * shape.width, context)
                 # Scored by what was accepted, not by what calibration expected: a cold
                 # calibration must not switch off a draft that is doing well.
                 realized = len(reqs) + stats.accepted_tokens

@@ -9,7 +9,7 @@ import pytest
 from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.request_manager.control import SpeculationController
+from adaserve.request_manager.control import EXPLORE_OBSERVATIONS, SpeculationController
 from adaserve.tree import CandidateTree
 from tests.request_manager.test_speculative import (
     PROMPTS,
@@ -83,6 +83,13 @@ def _cost(g_ms: dict[int, float]) -> ForwardCostModel:
     return model
 
 
+def _warm(ctl: SpeculationController) -> SpeculationController:
+    """Past the exploration phase: enough depth-1 verifications seen."""
+    for _ in range(2 * EXPLORE_OBSERVATIONS):  # counts decay a little per observation
+        ctl.calibrator.observe(1, 0.5, True)
+    return ctl
+
+
 def _tree(probs: list[float]) -> CandidateTree:
     """A chain below the root with the given conditional probabilities."""
     tree = CandidateTree.root(1)
@@ -105,7 +112,7 @@ def _tree(probs: list[float]) -> CandidateTree:
 )
 def test_prune_keeps_the_tree_size_with_the_best_tokens_per_second(g_ms, expected_nodes):
     cfg = SchedulerConfig(policy="adaserve", budget=16)
-    ctl = SpeculationController(cfg, False, 16, _cost(g_ms))
+    ctl = _warm(SpeculationController(cfg, False, 16, _cost(g_ms)))
     tree = _tree([0.9, 0.8, 0.5, 0.2])  # f = 0.9, 0.72, 0.36, 0.072
     selection = [[0, 1, 2, 3, 4]]
     kept, expected = ctl.prune([tree], selection, [[0]], context=0)
@@ -117,8 +124,18 @@ def test_prune_keeps_the_tree_size_with_the_best_tokens_per_second(g_ms, expecte
 def test_prune_drops_slo_step_nodes_last():
     cfg = SchedulerConfig(policy="adaserve", budget=16)
     # Two roots; one extra token is worth it, two are not.
-    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 50, 3: 55, 4: 120}))
+    ctl = _warm(SpeculationController(cfg, False, 16, _cost({1: 50, 2: 50, 3: 55, 4: 120})))
     weak, strong = _tree([0.3]), _tree([0.9])
     # The weak tree's node came from the SLO step: it is kept, the stronger one is dropped.
     kept, _ = ctl.prune([weak, strong], [[0, 1], [0, 1]], [[0, 1], [0]], context=0)
     assert kept == [[0, 1], [0]], f"the SLO step's node was not kept first: {kept}"
+
+
+def test_a_cold_calibration_prunes_nothing_until_it_has_seen_the_drafter():
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 100, 4: 200, 8: 400}))
+    tree = _tree([0.9, 0.8])
+    kept, _ = ctl.prune([tree], [[0, 1, 2]], [[0]], context=0)
+    assert kept == [[0, 1, 2]], "a cold calibration must let the drafter be tried"
+    kept, _ = _warm(ctl).prune([tree], [[0, 1, 2]], [[0]], context=0)
+    assert kept == [[0]], "once warm, a tree that costs more than it yields is dropped"
