@@ -98,6 +98,22 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
         help="target KV blocks (default: a fraction of memory)",
     )
     p.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block")
+    p.add_argument(
+        "--no-prefix-caching",
+        action="store_true",
+        help="do not reuse the KV of prompt prefixes seen before",
+    )
+    p.add_argument(
+        "--no-chunked-prefill",
+        action="store_true",
+        help="prefill whole prompts in iterations of their own (stalls running streams)",
+    )
+    p.add_argument(
+        "--max-prefill-chunk",
+        type=int,
+        default=s.max_prefill_chunk,
+        help="prompt tokens per iteration that requests without an SLO tolerate",
+    )
     p.add_argument("--seed", type=int, default=m.seed, help="seed of requests that give none")
 
 
@@ -116,6 +132,9 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         num_blocks=a.num_blocks,
         max_num_seqs=a.max_num_seqs,
         budget=a.budget if a.budget is not None else SchedulerConfig.budget,
+        enable_prefix_caching=not a.no_prefix_caching,
+        chunked_prefill=not a.no_chunked_prefill,
+        max_prefill_chunk=a.max_prefill_chunk,
     )
 
 

@@ -79,6 +79,8 @@ class CacheConfig:
     memory_fraction: float = 0.05
     # Draft KV gets this fraction of the target's block count (it also holds scratch tree slots).
     draft_blocks_ratio: float = 1.0
+    # Reuse the KV of full blocks whose tokens (and everything before them) were seen before.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -95,8 +97,15 @@ class SchedulerConfig:
 
     policy: str = "incremental"
     max_num_seqs: int = 64
-    # Cap on prompt tokens prefilled in one iteration (a longer single prompt still runs alone).
+    # Cap on prompt tokens prefilled in one iteration while nothing decodes (without chunked
+    # prefill: per prefill iteration; a longer single prompt still runs alone).
     max_num_batched_tokens: int = 2048
+    # Chunked prefill: prompts advance in chunks inside decode iterations, each chunk as large
+    # as the running requests' TPOT SLOs allow (request_manager/prefill.py); requests without
+    # an SLO tolerate max_prefill_chunk tokens per iteration; min_prefill_chunk always goes.
+    chunked_prefill: bool = True
+    max_prefill_chunk: int = 256
+    min_prefill_chunk: int = 16
     # B: tokens verified per target forward, all requests' roots included.
     budget: int = 16
     max_depth: int = 6  # D_max
@@ -136,6 +145,8 @@ class SchedulerConfig:
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
+            "max_prefill_chunk",
+            "min_prefill_chunk",
             "budget",
             "max_depth",
             "max_width",

@@ -290,6 +290,8 @@ class AsyncEngine:
             slo_tpot_ms=m.slo_tpot_ms,
             slo_class=self.metrics.slo_class(m.slo_tpot_ms),
             slo_attained=m.slo_attained,
+            slo_ttft_ms=m.slo_ttft_ms,
+            ttft_attained=m.ttft_attained,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=m.num_output_tokens,
             ttft_s=m.ttft_s,
@@ -351,6 +353,9 @@ class AsyncEngine:
             alloc.num_blocks,
             sched.num_preemptions,
         )
+        prefix = self.engine.engine.target_prefix
+        if prefix is not None:
+            self.metrics.set_prefix_cache(prefix.queried_tokens, prefix.hit_tokens)
         ctl = sched.controller
         if ctl is not None:
             self.metrics.set_calibration(ctl.calibrator.depth_summary(), ctl.drafting_on)

@@ -68,6 +68,8 @@ class FinishedRequest:
     e2e_s: float | None
     spec_tree_tokens: int
     spec_accepted_tokens: int
+    slo_ttft_ms: float | None = None
+    ttft_attained: bool | None = None  # None: no TTFT SLO
 
 
 class ServerMetrics:
@@ -103,6 +105,34 @@ class ServerMetrics:
             "adaserve_goodput_tokens",
             "Output tokens of requests that met their SLO",
             cls,
+            registry=r,
+        )
+        self.ttft_attained = Counter(
+            "adaserve_ttft_slo_attained",
+            "Finished requests with a TTFT SLO (slo_ttft_ms) whose first token met it",
+            cls,
+            registry=r,
+        )
+        self.ttft_violated = Counter(
+            "adaserve_ttft_slo_violated",
+            "Finished requests with a TTFT SLO whose first token came too late",
+            cls,
+            registry=r,
+        )
+        # Same meaning as vLLM's prefix_cache_queries / prefix_cache_hits (in tokens).
+        self.prefix_queries = Counter(
+            "adaserve_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache at admission",
+            registry=r,
+        )
+        self.prefix_hits = Counter(
+            "adaserve_prefix_cache_hits",
+            "Prompt tokens whose KV came from the prefix cache",
+            registry=r,
+        )
+        self.prefill_tokens = Counter(
+            "adaserve_prefill_tokens",
+            "Prompt tokens computed (prefix-cache hits excluded, recomputation included)",
             registry=r,
         )
         self.prompt_tokens = Counter(
@@ -257,6 +287,8 @@ class ServerMetrics:
                 self.slo_violated,
                 self.goodput_tokens,
                 self.generation_tokens,
+                self.ttft_attained,
+                self.ttft_violated,
             ):
                 metric.labels(name)
         for reason in ("stop", "length", "abort", "error"):
@@ -273,6 +305,7 @@ class ServerMetrics:
         for name, bound_ms in slo_classes:
             self.slo_class_bound.labels(name).set(bound_ms / 1000.0)
         self._seen_preemptions = 0
+        self._seen_prefix = (0, 0)
 
     def slo_class(self, slo_tpot_ms: float | None) -> str:
         return slo_class_of(slo_tpot_ms, self.slo_classes)
@@ -287,6 +320,10 @@ class ServerMetrics:
             self.goodput_tokens.labels(c).inc(req.num_output_tokens)
         elif req.slo_attained is False:
             self.slo_violated.labels(c).inc()
+        if req.ttft_attained is True:
+            self.ttft_attained.labels(c).inc()
+        elif req.ttft_attained is False:
+            self.ttft_violated.labels(c).inc()
         if req.tpot_ms is not None and math.isfinite(req.tpot_ms):
             self.tpot.labels(c).observe(req.tpot_ms / 1000.0)
         if req.ttft_s is not None:
@@ -296,6 +333,7 @@ class ServerMetrics:
 
     def observe_iteration(self, stats: IterationStats) -> None:
         self.iterations.labels(stats.kind).inc()
+        self.prefill_tokens.inc(stats.prefill_tokens)
         self.iteration_s.labels(stats.kind).observe(stats.total_s)
         if stats.kind != "decode":
             return
@@ -325,6 +363,13 @@ class ServerMetrics:
         if preemptions > self._seen_preemptions:
             self.preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions
+
+    def set_prefix_cache(self, queried_tokens: int, hit_tokens: int) -> None:
+        """The prefix cache's running totals (counters advance by the difference)."""
+        q0, h0 = self._seen_prefix
+        self.prefix_queries.inc(max(queried_tokens - q0, 0))
+        self.prefix_hits.inc(max(hit_tokens - h0, 0))
+        self._seen_prefix = (queried_tokens, hit_tokens)
 
     def set_calibration(self, depths: list[DepthCalibration], drafting: bool) -> None:
         """Per depth: what the draft said, what we predicted, what the target accepted."""

@@ -56,6 +56,7 @@ class _SamplingRequest(BaseModel):
     user: str | None = None
     # Extensions.
     slo_tpot_ms: float | None = _strict(gt=0, allow_inf_nan=False)
+    slo_ttft_ms: float | None = _strict(gt=0, allow_inf_nan=False)
     top_k: int | None = _strict(ge=-1)
     ignore_eos: bool | None = _strict(False)
     stop_token_ids: list[int] | None = _strict()
@@ -123,7 +124,7 @@ class _SamplingRequest(BaseModel):
         kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kw["ignore_eos"] = bool(self.ignore_eos)
         slo = self.slo_tpot_ms if self.slo_tpot_ms is not None else default_slo_tpot_ms
-        return SamplingParams(slo_tpot_ms=slo, **kw)
+        return SamplingParams(slo_tpot_ms=slo, slo_ttft_ms=self.slo_ttft_ms, **kw)
 
 
 class CompletionRequest(_SamplingRequest):
@@ -286,6 +287,8 @@ class AdaserveInfo(_Response):
     slo_tpot_ms: float | None
     slo_class: str
     slo_attained: bool | None  # None: the request had no SLO
+    slo_ttft_ms: float | None = None
+    ttft_attained: bool | None = None  # None: no TTFT SLO
     spec_tree_tokens: int  # speculated tokens the target verified for this request
     spec_accepted_tokens: int  # of which accepted
 

@@ -25,6 +25,7 @@ from adaserve.exec.loader import (
     resolve_model_path,
 )
 from adaserve.exec.model.llama import LlamaForCausalLM
+from adaserve.exec.prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from adaserve.exec.cuda_graph import DraftGraphRunner
@@ -209,6 +210,13 @@ class ExecutionEngine:
             if k is not None and k < vocab:
                 ids = draft_vocab_ids(self.target_path.name, vocab, k, model_cfg.draft_vocab_file)
                 self.draft.model.restrict_head(torch.tensor(ids, dtype=torch.long))
+        # Automatic prefix caching, one index per KV cache (see exec/prefix_cache.py).
+        self.target_prefix: PrefixCache | None = None
+        self.draft_prefix: PrefixCache | None = None
+        if cache_cfg.enable_prefix_caching:
+            self.target_prefix = PrefixCache(self.target.cache)
+            if self.draft is not None:
+                self.draft_prefix = PrefixCache(self.draft.cache)
         args = self.target.model.args
         limit = args.max_position_embeddings
         if args.sliding_window is not None:

@@ -7,6 +7,8 @@ cache grows, shrinks and compacts it in place and never keeps a reference to it.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -16,35 +18,72 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockAllocator:
-    """LIFO free list of block ids (recently freed blocks are reused first: warm in cache)."""
+    """Reference-counted blocks: a LIFO free list, plus cached blocks nobody holds (LRU).
+
+    A block whose content is registered in the prefix cache stays cached when its last holder
+    lets go (`free`): it is "evictable", still counts as free, and is handed out again only
+    when the free list is empty, least recently released first (`on_evict` is told, so the
+    prefix cache forgets it). `share` takes another reference, reviving an evictable block.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
-        self._used = bytearray(num_blocks)  # 1 = allocated; catches double frees
+        self._ref = [0] * num_blocks  # holders per block; 0 = free or evictable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.cached: set[int] = set()  # blocks whose content the prefix cache knows
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - len(self._free)
+        """Blocks some sequence holds (evictable cached blocks are free)."""
+        return self.num_blocks - self.num_free
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(n)]
-        for b in blocks:
-            self._used[b] = 1
+        if n > self.num_free:
+            raise NoFreeBlocksError(f"asked for {n} KV blocks, {self.num_free} free")
+        blocks = []
+        for _ in range(n):
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                self.cached.discard(b)
+                if self.on_evict is not None:
+                    self.on_evict(b)
+            self._ref[b] = 1
+            blocks.append(b)
         return blocks
+
+    def share(self, block: int) -> None:
+        """One more holder of `block` (an evictable block is revived)."""
+        if self._ref[block] == 0:
+            if block not in self._evictable:
+                raise RuntimeError(f"KV block {block} is free, nothing to share")
+            del self._evictable[block]
+        self._ref[block] += 1
 
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
-            if not self._used[b]:
+            if self._ref[b] <= 0:
                 raise RuntimeError(f"KV block {b} freed twice")
-            self._used[b] = 0
-            self._free.append(b)
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if b in self.cached:
+                    self._evictable[b] = None  # newest at the end
+                else:
+                    self._free.append(b)
 
 
 def blocks_for_memory(bytes_per_block: int, fraction: float, device: torch.device) -> int:

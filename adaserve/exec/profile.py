@@ -261,10 +261,11 @@ def forward_cost_points(
 ) -> list[tuple[int, int, float]]:
     """A quick cost curve to seed the online cost model: (tokens, total context, seconds).
 
-    Every count up to 16, then powers of two up to `max_tokens`: the small counts are where
-    the curve bends (on a CPU the 2nd token can cost more than the 8th).
+    The small counts where the curve bends (on a CPU the 2nd token can cost more than the
+    8th), then powers of two up to `max_tokens`; the online model refines it as it runs.
     """
-    counts = sorted({*range(1, min(16, max_tokens) + 1), *_token_counts(max_tokens)})
+    small = [n for n in (1, 2, 3, 4, 6, 8, 12) if n <= max_tokens]
+    counts = sorted({*small, *_token_counts(max_tokens)})
     time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
     # A small KV pool cannot hold every shape at this context: shrink the context, not the curve.
     cache = runner.cache

@@ -187,11 +187,14 @@ class SpeculationController:
 
         return decide
 
-    def t_spec_s(self, num_requests: int, context: int, shape: SpecShape) -> float:
-        """Predicted iteration time for A(r): the draft steps plus a forward at the budget."""
+    def t_spec_s(
+        self, num_requests: int, context: int, shape: SpecShape, extra_tokens: int = 0
+    ) -> float:
+        """Predicted iteration time for A(r): draft steps plus a forward at the budget (plus
+        `extra_tokens` of prefill riding along)."""
         tokens = max(num_requests, min(self.cfg.budget, num_requests * shape.max_nodes))
         draft = shape.depth * self.draft_step_s(num_requests * shape.width, context)
-        return draft + self.forward_s(tokens, context)
+        return draft + self.forward_s(tokens + extra_tokens, context + extra_tokens)
 
     # ------------------------------------------------------------------ 3. which nodes?
     def calibrate(self, trees: Sequence[CandidateTree]) -> list[CandidateTree]:

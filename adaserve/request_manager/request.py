@@ -22,6 +22,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     slo_tpot_ms: float | None = None
+    # Time-to-first-token SLO: chunked prefill gives this request's prompt the chunks it needs.
+    slo_ttft_ms: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -38,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
         if self.slo_tpot_ms is not None and not self.slo_tpot_ms > 0:
             raise ValueError(f"slo_tpot_ms must be > 0, got {self.slo_tpot_ms}")
+        if self.slo_ttft_ms is not None and not self.slo_ttft_ms > 0:
+            raise ValueError(f"slo_ttft_ms must be > 0, got {self.slo_ttft_ms}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
 
@@ -58,6 +62,7 @@ class RequestMetrics:
     finish_time: float | None = None
     num_output_tokens: int = 0
     slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = None
     token_times: list[float] = field(default_factory=list)  # emit time of every output token
     # Speculation statistics.
     num_iterations: int = 0
@@ -85,6 +90,13 @@ class RequestMetrics:
             return None
         tpot = self.tpot_ms
         return True if tpot is None else tpot <= self.slo_tpot_ms
+
+    @property
+    def ttft_attained(self) -> bool | None:
+        """First token within the TTFT SLO; None without one (or before the first token)."""
+        if self.slo_ttft_ms is None or self.ttft_s is None:
+            return None
+        return 1000.0 * self.ttft_s <= self.slo_ttft_ms
 
     @property
     def e2e_s(self) -> float | None:
@@ -135,12 +147,16 @@ class Request:
         self.metrics = RequestMetrics(
             arrival_time if arrival_time is not None else time.monotonic(),
             slo_tpot_ms=params.slo_tpot_ms,
+            slo_ttft_ms=params.slo_ttft_ms,
         )
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0
         self.draft_block_table: list[int] = []
         self.draft_num_cached = 0
+        # Prefix-cache hash chains of the full committed blocks in each table.
+        self.block_hashes: list[int] = []
+        self.draft_block_hashes: list[int] = []
         seed = (
             params.seed
             if params.seed is not None

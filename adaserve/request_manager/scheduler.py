@@ -1,7 +1,9 @@
-"""The iteration loop: admit -> prefill -> speculate -> select -> verify -> commit.
+"""The iteration loop: admit -> plan (trees + prefill chunks) -> one forward -> commit.
 
-`incremental` is the same loop with no draft: every request's tree is its root alone, so
-verification degenerates to sampling one token from the target.
+One iteration carries, in a single target forward, the verification trees of the running
+requests and a chunk of waiting prompts (chunked prefill, sized by the running requests'
+SLOs: `prefill.py`). `incremental` is the same loop with no draft: every tree is its root
+alone, so verification degenerates to sampling one token from the target.
 """
 
 from __future__ import annotations
@@ -14,28 +16,23 @@ from adaserve.config import SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine, SequenceBatchBuilder
 from adaserve.exec.profile import forward_cost_points
-from adaserve.request_manager.control import SpeculationController
-from adaserve.request_manager.drafters import Drafter, make_drafter
 from adaserve.request_manager.output import OutputProcessor
-from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
+from adaserve.request_manager.policies import SpecShape
+from adaserve.request_manager.prefill import chunk_tokens, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
-from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
-from adaserve.tree import (
-    CandidateTree,
-    build_verify_tree,
-    top_chain,
-    tree_attention_mask,
-    verify,
-)
+from adaserve.request_manager.speculation import TreePlan, TreePlanner
+from adaserve.tree import build_verify_tree, tree_attention_mask, verify
 
 
 @dataclass
 class IterationStats:
     """What one iteration did; the metrics and the benchmark read these."""
 
-    kind: str  # "prefill" or "decode"
-    num_requests: int
-    num_tokens: int  # tokens in the target forward (prompt tokens or tree tokens)
+    kind: str  # "decode" (something decoded, maybe with prefill chunks) or "prefill"
+    num_requests: int  # decoding requests (prefill iterations: requests prefilled)
+    num_tokens: int  # tree tokens in the target forward (prefill iterations: prompt tokens)
+    prefill_tokens: int = 0  # prompt tokens computed in this forward
+    prefill_requests: int = 0  # requests that got a prefill chunk
     padded_tokens: int = 0  # tokens the forward ran, padding included
     speculative: bool = False  # the policy speculates (whether or not it drafted now)
     drafted: bool = False  # the drafter ran this iteration
@@ -57,7 +54,7 @@ class IterationStats:
 
 
 class Scheduler:
-    """Owns the waiting and running queues and advances requests one iteration at a time."""
+    """Owns the waiting, prefilling and running queues and advances them one iteration."""
 
     def __init__(
         self,
@@ -71,31 +68,17 @@ class Scheduler:
         self.engine = engine
         self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
         self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
+        self.prefilling: list[Request] = []  # admitted, prompt KV not complete yet (FIFO)
+        self.running: list[Request] = []  # decoding
         self.last_stats: IterationStats | None = None
         self.num_preemptions = 0
-        self.drafter: Drafter | None = None
-        self.controller: SpeculationController | None = None
-        if cfg.speculative:
-            if drafter == "auto":
-                drafter = "model" if engine.draft is not None else "suffix"
-            if "model" in drafter:
-                engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
-            self.drafter = make_drafter(drafter, cfg, engine)
-        if cfg.controlled:
-            assert self.drafter is not None
-            if cost_model is None:
-                cost_model = ForwardCostModel(forget=cfg.cost_forget)
-                cost_model.seed(forward_cost_points(engine.target, cfg.budget))
-            draft_cost = None
-            if self.drafter.costly and engine.draft is not None:
-                # A draft step feeds up to max_num_seqs * W_max frontier tokens.
-                draft_cost = ForwardCostModel(forget=cfg.cost_forget)
-                draft_cost.seed(forward_cost_points(engine.draft, cfg.budget))
-            self.controller = SpeculationController(
-                cfg, self.drafter.costly, cfg.budget, cost_model, draft_cost
-            )
+        if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
+            cost_model = ForwardCostModel(forget=cfg.cost_forget)
+            cost_model.seed(forward_cost_points(engine.target, max(cfg.budget, 64)))
+        self.cost = cost_model
+        self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel())
+        self.drafter = self.planner.drafter
+        self.controller = self.planner.controller
 
     # ------------------------------------------------------------------ queue management
     def add(self, req: Request) -> None:
@@ -129,236 +112,182 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted and free its KV now."""
-        for queue in (self.running, self.waiting):
+        for queue in (self.running, self.prefilling, self.waiting):
             for req in queue:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self._free(req)
-                    if self.drafter is not None:
-                        self.drafter.on_release(req)
                     req.finish("abort", time.monotonic())
                     return req
         return None
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def _free(self, req: Request) -> None:
         self.engine.target.cache.release(req.block_table)
         req.num_cached = 0
+        req.block_hashes.clear()
         if self.engine.draft is not None:
             self.engine.draft.cache.release(req.draft_block_table)
         req.draft_num_cached = 0
+        req.draft_block_hashes.clear()
+        if self.drafter is not None:
+            self.drafter.on_release(req)
 
     def _retire_finished(self) -> None:
         for req in [r for r in self.running if r.finished]:
             self.running.remove(req)
-            self._free(req)
             if self.drafter is not None:
                 self.drafter.on_finish(req)
-                self.drafter.on_release(req)
+            self._free(req)
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> list[Request]:
+        """Waiting -> prefilling while KV and max_num_seqs allow; prefix-cache hits count."""
+        t_cache, d = self.engine.target.cache, self.engine.draft
+        admitted: list[Request] = []
+        tokens = 0
+        # Keep one free block per running request so decoding can grow without preempting at once.
+        reserve = len(self.running) + len(self.prefilling)
+        while (
+            self.waiting
+            and len(self.running) + len(self.prefilling) + len(admitted) < self.cfg.max_num_seqs
+        ):
+            req = self.waiting[0]
+            n = req.num_tokens
+            if (
+                not self.cfg.chunked_prefill
+                and admitted
+                and tokens + n > self.cfg.max_num_batched_tokens
+            ):
+                break
+            self._match_prefix(req)
+            need = t_cache.blocks_needed(req.block_table, n) + reserve
+            draft_fits = d is None or (
+                d.cache.blocks_needed(req.draft_block_table, n) <= d.cache.allocator.num_free
+            )
+            if need > t_cache.allocator.num_free or not draft_fits:
+                self._free(req)  # the matched blocks go back to the cache
+                break
+            self.waiting.popleft()
+            t_cache.reserve(req.block_table, n)
+            if d is not None:
+                d.cache.reserve(req.draft_block_table, n)
+            req.status = RequestStatus.RUNNING
+            admitted.append(req)
+            tokens += n - req.num_cached
+            reserve += 1
+        self.prefilling.extend(admitted)
+        return admitted
+
+    def _match_prefix(self, req: Request) -> None:
+        """Take the cached KV of the longest known prefix (at least one token is computed)."""
+        tokens, limit = req.all_token_ids, prefill_target(req) - 1
+        if self.engine.target_prefix is not None:
+            req.block_table[:] = self.engine.target_prefix.match(tokens, limit, req.block_hashes)
+            req.num_cached = len(req.block_table) * self.engine.target.cache.block_size
+        if self.engine.draft_prefix is not None and self.engine.draft is not None:
+            blocks = self.engine.draft_prefix.match(tokens, limit, req.draft_block_hashes)
+            req.draft_block_table[:] = blocks
+            req.draft_num_cached = len(blocks) * self.engine.draft.cache.block_size
 
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got tokens or finished in it."""
-        admitted = self._admit()
-        if admitted:
-            changed = self._prefill(admitted)
-        elif self.running:
-            changed = self._decode()
-        else:
+        self._admit()
+        if not (self.running or self.prefilling):
             return []
-        self._retire_finished()
-        return changed
-
-    def _admit(self) -> list[Request]:
-        t_cache = self.engine.target.cache
-        admitted: list[Request] = []
-        tokens = 0
-        # Keep one free block per running request so decoding can grow without preempting at once.
-        reserve = len(self.running)
-        while self.waiting and len(self.running) + len(admitted) < self.cfg.max_num_seqs:
-            req = self.waiting[0]
-            n = req.num_tokens
-            if admitted and tokens + n > self.cfg.max_num_batched_tokens:
-                break
-            need = t_cache.blocks_needed(req.block_table, n) + reserve
-            if need > t_cache.allocator.num_free or not self._draft_fits(req, n):
-                break
-            self.waiting.popleft()
-            t_cache.reserve(req.block_table, n)
-            if self.engine.draft is not None:
-                self.engine.draft.cache.reserve(req.draft_block_table, n)
-            admitted.append(req)
-            tokens += n
-            reserve += 1
-        return admitted
-
-    def _draft_fits(self, req: Request, n: int) -> bool:
-        d = self.engine.draft
-        return (
-            d is None
-            or d.cache.blocks_needed(req.draft_block_table, n) <= d.cache.allocator.num_free
-        )
-
-    def _prefill(self, reqs: list[Request]) -> list[Request]:
         start = time.monotonic()
-        target, draft = SequenceBatchBuilder(), SequenceBatchBuilder()
-        rows: list[int | None] = []
-        for r in reqs:
-            r.status = RequestStatus.RUNNING
-            # A request resumed after preemption already has output: its last token is the next
-            # root, so it is not fed here and nothing is sampled.
-            resumed = bool(r.output_token_ids)
-            tokens = r.all_token_ids[: r.num_tokens - 1] if resumed else r.all_token_ids
-            idx = target.add(
-                tokens,
-                list(range(len(tokens))),
-                len(tokens),
-                r.block_table,
-                logits="none" if resumed else "last",
-            )
-            rows.append(idx[0] if idx else None)
-            r.num_cached = len(tokens)
-            if self.engine.draft is not None:
-                draft.add(
-                    tokens,
-                    list(range(len(tokens))),
-                    len(tokens),
-                    r.draft_block_table,
-                    logits="none",
-                )
-                r.draft_num_cached = len(tokens)
-        logits = self.engine.target.forward(target.batch)
-        if self.engine.draft is not None:
-            self.engine.draft.forward(draft.batch)
-        now = time.monotonic()
-        for r, row in zip(reqs, rows):
-            if row is not None:
-                assert logits is not None
-                _, token = verify(
-                    logits[row : row + 1],
-                    [r.last_token],
-                    [-1],
-                    r.params.temperature,
-                    r.params.top_k,
-                    r.params.top_p,
-                    r.generator,
-                )
-                self.output.commit(r, [token], now)
-        self.running.extend(reqs)
-        self.last_stats = IterationStats(
-            "prefill",
-            len(reqs),
-            len(target.batch.token_ids),
-            emitted_tokens=len(reqs),
-            total_s=now - start,
-        )
-        return reqs
-
-    def _shape(self) -> SpecShape | None:
-        """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
-        shape = spec_shape(self.cfg, len(self.running))
-        ctl = self.controller
-        if shape is not None and ctl is not None:
-            context = sum(r.num_cached for r in self.running)
-            if not ctl.should_draft(len(self.running), shape, context):
-                return None
-        return shape
-
-    def _decode(self) -> list[Request]:
-        start = time.monotonic()
-        shape = self._shape()
-        cut_short = self._make_room(shape)
-        if not self.running:
-            return cut_short
-        reqs = list(self.running)
-        stats = IterationStats(
-            "decode", len(reqs), 0, budget=self.cfg.budget, speculative=self.cfg.speculative
-        )
-        context = sum(r.num_cached for r in reqs)
-        ctl = self.controller
-        if shape is None:
-            trees = [CandidateTree.root(r.last_token) for r in reqs]
-            selections = [[0] for _ in reqs]
+        if not self.cfg.chunked_prefill and self.prefilling:
+            decoding: list[Request] = []  # a whole-prompt prefill iteration, as before chunking
+            shape, cut_short = None, []
         else:
-            assert self.drafter is not None
-            stats.drafted = True
-            stats.depth, stats.width = shape.depth, shape.width
-            if self.engine.draft is not None:
-                scratch = self.drafter.scratch_tokens(shape)
-                for r in reqs:  # _make_room checked these fit; the drafter frees the scratch
-                    self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
-            keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
-            trees = self.drafter.propose(reqs, shape, keep_going)
-            t_draft = time.monotonic()
-            stats.draft_s = t_draft - start
-            trees = [self._cap_depth(r, t) for r, t in zip(reqs, trees)]
-            if self.cfg.policy == "sequence":
-                trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
-            stats.draft_nodes = sum(len(t) - 1 for t in trees)
-            # Controlled: the selection sees calibrated f(v) and the cost model's t_spec.
-            scored = trees if ctl is None else ctl.calibrate(trees)
-            t_spec = self.t_spec.value_s if ctl is None else ctl.t_spec_s(len(reqs), context, shape)
-            a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
-            selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
-            if ctl is not None:
-                selections, _ = ctl.prune(scored, selections, slo_step, context)
-            stats.select_s = time.monotonic() - t_draft
+            shape = self.planner.shape(self.running) if self.running else None
+            cut_short = self._make_room(shape)
+            decoding = list(self.running)
+        context = sum(r.num_cached for r in decoding)
+        plan = self._plan_trees(decoding, shape, context)
+        chunks = self._plan_chunks(decoding, plan, context)
+        if not decoding and not chunks:  # _make_room finished the last request
+            return cut_short
+        stats = IterationStats(
+            "decode" if decoding else "prefill",
+            len(decoding) if decoding else len(chunks),
+            0,
+            budget=self.cfg.budget,
+            speculative=self.cfg.speculative and bool(decoding),
+            drafted=plan.shape is not None,
+            draft_nodes=sum(len(t) - 1 for t in plan.trees),
+            draft_s=plan.draft_s,
+            select_s=plan.select_s,
+        )
+        if plan.shape is not None:
+            stats.depth, stats.width = plan.shape.depth, plan.shape.width
         t_verify = time.monotonic()
-        self._verify_and_commit(reqs, trees, selections, stats, context)
+        changed = self._forward_and_commit(decoding, plan, chunks, stats, context)
         end = time.monotonic()
         stats.verify_s = end - t_verify
         stats.total_s = end - start
-        if shape is not None:
-            self.t_spec.update(stats.total_s)
-            if ctl is not None and self.drafter is not None and self.drafter.costly:
-                steps = max(max(t.depths) for t in trees)
-                ctl.record_draft_time(stats.draft_s, steps, len(reqs) * shape.width, context)
-                # Scored by what was accepted, not by what calibration expected: a cold
-                # calibration must not switch off a draft that is doing well.
-                realized = len(reqs) + stats.accepted_tokens
-                ctl.record_score(
-                    ctl.iteration_ratio(
-                        realized, len(reqs), stats.padded_tokens, context, stats.draft_s
-                    )
-                )
-        self.last_stats = stats
-        return reqs
-
-    def _cap_depth(self, req: Request, tree: CandidateTree) -> CandidateTree:
-        """Drop nodes deeper than the request can still use (max_tokens, max_model_len)."""
-        room = (
-            min(
-                req.params.max_tokens - len(req.output_token_ids),
-                self.engine.max_model_len - req.num_tokens,
-            )
-            - 1
+        self.planner.after_iteration(
+            plan, len(decoding), stats.accepted_tokens, stats.num_tokens, context, stats.total_s
         )
-        if max(tree.depths) <= room:
-            return tree
-        keep = [v for v in range(len(tree)) if tree.depths[v] <= room]
-        capped = CandidateTree.root(tree.tokens[0])
-        new_id = {0: 0}
-        for v in keep[1:]:
-            (new_id[v],) = capped.add_nodes(
-                [new_id[tree.parents[v]]], [tree.tokens[v]], [tree.logprobs[v]]
-            )
-        return capped
+        self.last_stats = stats
+        self._retire_finished()
+        return cut_short + changed
 
-    def _verify_and_commit(
+    def _plan_trees(
+        self, decoding: list[Request], shape: SpecShape | None, context: int
+    ) -> TreePlan:
+        pending = sum(prefill_target(r) - r.num_cached for r in self.prefilling)
+        extra = min(pending, self.cfg.max_prefill_chunk)  # roughly what prefill adds to t_spec
+        return self.planner.plan(decoding, shape, context, extra)
+
+    def _plan_chunks(
+        self, decoding: list[Request], plan: TreePlan, context: int
+    ) -> list[tuple[Request, int]]:
+        """(request, prompt tokens) to prefill in this forward, FIFO."""
+        if not self.prefilling:
+            return []
+        if not self.cfg.chunked_prefill:
+            return [(r, prefill_target(r) - r.num_cached) for r in self.prefilling]
+        assert self.cost is not None
+        tree_tokens = sum(len(s) for s in plan.selections)
+        budget = chunk_tokens(
+            self.cost.predict,
+            decoding,
+            plan.expected_tokens,
+            self.prefilling,
+            tree_tokens,
+            context,
+            time.monotonic(),
+            self.cfg.max_prefill_chunk,
+            self.cfg.max_num_batched_tokens,
+            self.cfg.min_prefill_chunk,
+        )
+        chunks = []
+        for r in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(budget, prefill_target(r) - r.num_cached)
+            if n > 0:
+                chunks.append((r, n))
+                budget -= n
+        return chunks
+
+    def _forward_and_commit(
         self,
-        reqs: list[Request],
-        trees: list[CandidateTree],
-        selections: list[list[int]],
+        decoding: list[Request],
+        plan: TreePlan,
+        chunks: list[tuple[Request, int]],
         stats: IterationStats,
         context: int,
-    ) -> None:
+    ) -> list[Request]:
+        """One target forward over the trees and the chunks (and the draft over the chunks)."""
         cache = self.engine.target.cache
-        ctl = self.controller
         builder = SequenceBatchBuilder()
         vtrees, rows = [], []
-        for r, tree, sel in zip(reqs, trees, selections):
+        for r, tree, sel in zip(decoding, plan.trees, plan.selections):
             vt = build_verify_tree(tree, sel)
             n = len(vt.tokens)
             cache.reserve(r.block_table, r.num_cached + n)
@@ -374,17 +303,65 @@ class Scheduler:
             )
             vtrees.append(vt)
         stats.num_tokens = len(builder.batch.token_ids)
-        pad_to = stats.num_tokens
-        if ctl is not None:
-            pad_to = ctl.pad_to(stats.num_tokens, context)
+        chunk_rows = []
+        for r, n in chunks:
+            start, end = r.num_cached, r.num_cached + n
+            last = end == prefill_target(r) and not r.output_token_ids  # first token sampled
+            idx = builder.add(
+                r.all_token_ids[start:end],
+                list(range(start, end)),
+                end,
+                r.block_table,
+                logits="last" if last else "none",
+            )
+            chunk_rows.append(idx[0] if idx else None)
+        total = len(builder.batch.token_ids)
+        stats.prefill_tokens = total - stats.num_tokens
+        stats.prefill_requests = len(chunks)
+        if not decoding:
+            stats.num_tokens = stats.prefill_tokens
+        ctl = self.controller
+        pad_to = total if ctl is None else ctl.pad_to(total, context)
         t_forward = time.monotonic()
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
-        assert logits is not None
         now = time.monotonic()
         stats.padded_tokens = pad_to
-        if ctl is not None:
-            ctl.observe_forward(pad_to, context, now - t_forward)
-        for r, tree, vt, row in zip(reqs, trees, vtrees, rows):
+        if self.cost is not None:
+            self.cost.observe(
+                pad_to, context + sum(r.num_cached for r, _ in chunks), now - t_forward
+            )
+        self._draft_prefill(chunks)
+        self._commit_trees(decoding, plan, vtrees, rows, logits, stats, now)
+        return self._commit_chunks(chunks, chunk_rows, logits, stats, now) + decoding
+
+    def _draft_prefill(self, chunks: list[tuple[Request, int]]) -> None:
+        """The draft model computes the same prompt tokens into its own KV."""
+        d = self.engine.draft
+        if d is None or not chunks:
+            return
+        builder = SequenceBatchBuilder()
+        for r, n in chunks:
+            start, end = r.draft_num_cached, r.num_cached + n
+            if end > start:
+                builder.add(
+                    r.all_token_ids[start:end],
+                    list(range(start, end)),
+                    end,
+                    r.draft_block_table,
+                    logits="none",
+                )
+                r.draft_num_cached = end
+        if len(builder):
+            d.forward(builder.batch)
+        if self.engine.draft_prefix is not None:
+            for r, _ in chunks:
+                self.engine.draft_prefix.register(
+                    r.draft_block_table, r.all_token_ids, r.draft_num_cached, r.draft_block_hashes
+                )
+
+    def _commit_trees(self, decoding, plan, vtrees, rows, logits, stats, now) -> None:
+        cache, ctl, prefix = self.engine.target.cache, self.controller, self.engine.target_prefix
+        for r, tree, vt, row in zip(decoding, plan.trees, vtrees, rows):
             p = r.params
             accepted, bonus = verify(
                 logits[row[0] : row[-1] + 1],
@@ -403,6 +380,8 @@ class Scheduler:
             cache.keep_subset(r.block_table, r.num_cached, keep)
             r.num_cached += len(keep)
             emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], now)
+            if prefix is not None:
+                prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
             m = r.metrics
             m.num_iterations += 1
             m.num_tree_tokens += len(vt.tokens) - 1
@@ -411,14 +390,44 @@ class Scheduler:
             stats.accepted_tokens += len(accepted)
             stats.emitted_tokens += emitted
 
+    def _commit_chunks(self, chunks, chunk_rows, logits, stats, now) -> list[Request]:
+        """Advance prefills; a request whose prompt is complete samples its first token."""
+        done = []
+        prefix = self.engine.target_prefix
+        for (r, n), row in zip(chunks, chunk_rows):
+            r.num_cached += n
+            if prefix is not None:
+                prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
+            if r.num_cached < prefill_target(r):
+                continue
+            self.prefilling.remove(r)
+            self.running.append(r)
+            done.append(r)
+            if row is not None:  # a fresh request: its first token comes from the last chunk
+                p = r.params
+                _, token = verify(
+                    logits[row : row + 1],
+                    [r.last_token],
+                    [-1],
+                    p.temperature,
+                    p.top_k,
+                    p.top_p,
+                    r.generator,
+                )
+                self.output.commit(r, [token], now)
+                stats.emitted_tokens += 1
+        return done
+
+    # ------------------------------------------------------------------ KV pressure
     def _make_room(self, shape: SpecShape | None) -> list[Request]:
         """Preempt (recompute later) the newest requests until every tree fits in free KV.
 
-        Returns the request finished for lack of KV, if even it alone no longer fits.
+        Prefilling requests go first (newest first), then decoding ones. Returns the request
+        finished for lack of KV, if even it alone no longer fits.
         """
         t_cache, d = self.engine.target.cache, self.engine.draft
         tree_nodes = 1 if shape is None else shape.max_nodes
-        scratch = 0 if shape is None or self.drafter is None else self.drafter.scratch_tokens(shape)
+        scratch = self.planner.scratch_tokens(shape)
         while self.running:
             t_need = sum(
                 t_cache.blocks_needed(r.block_table, r.num_cached + tree_nodes)
@@ -435,25 +444,18 @@ class Scheduler:
             if t_need <= t_cache.allocator.num_free and (
                 d is None or d_need <= d.cache.allocator.num_free
             ):
-                return
-            victim = self.running.pop()
+                return []
+            if self.prefilling:
+                victim = self.prefilling.pop()
+            else:
+                victim = self.running.pop()
+                if not self.running:
+                    # Alone and still too big: the pool cannot hold this request any longer.
+                    self._free(victim)
+                    victim.finish("length", time.monotonic())
+                    return [victim]
             self._free(victim)
-            if self.drafter is not None:
-                self.drafter.on_release(victim)
-            if not self.running:
-                # Alone and still too big: the pool cannot hold this request any longer.
-                victim.finish("length", time.monotonic())
-                return [victim]
             victim.status = RequestStatus.WAITING
             self.waiting.appendleft(victim)
             self.num_preemptions += 1
         return []
-
-
-def _widest_frontier(cfg: SchedulerConfig) -> int:
-    """The most nodes one request feeds in a draft step under this policy (graph widths)."""
-    if cfg.policy == "specinfer":
-        expansion = cfg.specinfer_expansion
-        sizes = SpecShape(len(expansion), max(expansion), expansion).frontier_sizes()
-        return max(sizes[:-1], default=1)
-    return 1 if cfg.policy == "sequence" else cfg.max_width

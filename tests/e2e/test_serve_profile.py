@@ -25,7 +25,8 @@ def test_serve_uses_the_budget_of_the_given_profile(tiny_llama, tmp_path):
     args = (str(tiny_llama), "--draft-model", str(tiny_llama), "--num-blocks", "64")
     with serve_subprocess(*args, "--policy", "adaserve", "--profile", str(path)) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
-        assert health == {"status": "ok", "policy": "adaserve", "budget": 6}, health
+        expected = {"status": "ok", "policy": "adaserve", "budget": 6, "drafter": "model"}
+        assert health == expected, health
     with serve_subprocess(
         *args, "--policy", "adaserve", "--profile", str(path), "--budget", "9"
     ) as url:

@@ -1,0 +1,130 @@
+"""Chunked prefill: how many prompt tokens ride along with this iteration's decode forward.
+
+A TPOT SLO is a promise about every gap between tokens, so a prompt is prefilled in chunks
+that travel in the same forward as the running requests' verification trees, each chunk as
+large as the running requests' SLOs allow (docs/scheduling.md has the rule with examples):
+
+    expected tokens of running request r this iteration:  e_r = 1 + sum of its nodes' f(v)
+    time r may spend on this iteration:
+        allow_r = tpot_r * e_r + min(max(bank_r, 0), tpot_r)
+        bank_r  = tpot_r * o_r - l_r        (time ahead of its SLO; o_r tokens after the first
+                                              in l_r seconds since the first token)
+    T_max   = min of allow_r over running requests with an SLO that the decode part alone
+              can still meet (allow_r >= T(n_tree, ctx); a TPOT already lost this iteration
+              does not hold prompts back)                            (none: no TPOT limit)
+    chunk   = largest c <= cap with T(n_tree + c, ctx + c) <= T_max   (T: the cost model)
+    cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
+              much), max_num_batched_tokens when nothing does
+    chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
+
+so a request spends at most one extra SLO of banked time on any one gap: a gap stays under
+~2x its SLO. TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
+one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
+ceil(R / c) * T(n_tree + c) <= deadline - now, raises the chunk to c_ttft (capped); a deadline
+no chunk can meet any more does not (a first token already late does not outrank TPOTs).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from adaserve.request_manager.request import Request
+
+# Predicted seconds of a forward of (tokens, context tokens).
+CostFn = Callable[[int, int], float]
+
+
+def prefill_target(req: Request) -> int:
+    """KV entries a request needs before it decodes: every token, but a resumed request's
+    last token (its next root) is fed by the decode step instead."""
+    return req.num_tokens - 1 if req.output_token_ids else req.num_tokens
+
+
+def tpot_time_limit(
+    running: Sequence[Request], expected_tokens: Sequence[float], now: float, floor_s: float = 0.0
+) -> float | None:
+    """T_max: the longest iteration every running request with an SLO can afford (seconds).
+
+    Requests that cannot afford even `floor_s` (the decode part alone) are left out.
+    """
+    limit = None
+    for r, e in zip(running, expected_tokens):
+        slo_ms, first = r.params.slo_tpot_ms, r.metrics.first_token_time
+        if slo_ms is None or first is None:
+            continue
+        tpot = slo_ms / 1000.0
+        bank = tpot * (len(r.output_token_ids) - 1) - (now - first)
+        allow = tpot * e + min(max(bank, 0.0), tpot)
+        if allow >= floor_s:
+            limit = allow if limit is None else min(limit, allow)
+    return limit
+
+
+def largest_chunk(cost: CostFn, tree_tokens: int, context: int, limit_s: float, cap: int) -> int:
+    """Largest c in [0, cap] with cost(tree_tokens + c, context + c) <= limit_s (0 if none)."""
+    if cap <= 0 or cost(tree_tokens + 1, context + 1) > limit_s:
+        return 0
+    lo, hi = 1, cap  # cost(lo) fits; find the last c that fits (cost grows with c)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if cost(tree_tokens + mid, context + mid) <= limit_s:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def ttft_chunk(
+    cost: CostFn, tree_tokens: int, context: int, remaining: int, time_left_s: float, cap: int
+) -> int | None:
+    """Smallest chunk that finishes `remaining` prompt tokens within `time_left_s`, or None."""
+
+    def in_time(c: int) -> bool:
+        return math.ceil(remaining / c) * cost(tree_tokens + c, context + c) <= time_left_s
+
+    hi = min(cap, remaining)  # a chunk larger than what is left buys nothing
+    if hi <= 0 or time_left_s <= 0 or not in_time(hi):
+        return None
+    lo = 1  # in_time(hi) holds; fewer tokens per chunk means more iterations
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if in_time(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def chunk_tokens(
+    cost: CostFn,
+    running: Sequence[Request],
+    expected_tokens: Sequence[float],
+    prefilling: Sequence[Request],
+    tree_tokens: int,
+    context: int,
+    now: float,
+    max_prefill_chunk: int,
+    max_batched_tokens: int,
+    min_prefill_chunk: int,
+) -> int:
+    """Prompt tokens to prefill in this iteration (the rule in the module docstring)."""
+    pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
+    if pending <= 0:
+        return 0
+    cap = max_prefill_chunk if running else max_batched_tokens
+    floor = cost(max(tree_tokens, 1), context) if running else 0.0
+    limit = tpot_time_limit(running, expected_tokens, now, floor)
+    chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap)
+    ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
+    for r in prefilling:
+        remaining = ahead + prefill_target(r) - r.num_cached
+        ttft_ms = r.params.slo_ttft_ms
+        if ttft_ms is not None:
+            left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
+            needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap)
+            if needed is not None:
+                chunk = max(chunk, needed)
+            break
+        ahead = remaining
+    return min(pending, max(chunk, min_prefill_chunk))

@@ -1,0 +1,182 @@
+"""This iteration's trees: draft, (calibrate,) select, (prune) — and what control learns after.
+
+`TreePlanner` is the speculative half of an iteration, kept apart from the scheduler's
+queues and KV bookkeeping. One planner serves every policy: the shape and the selection
+come from `policies.py`; speculation control (policy adaserve) adds calibration, pruning and
+the decision whether to draft at all (`control.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from adaserve.config import SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
+from adaserve.exec.engine import ExecutionEngine
+from adaserve.exec.profile import forward_cost_points
+from adaserve.request_manager.control import SpeculationController
+from adaserve.request_manager.drafters import Drafter, make_drafter
+from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
+from adaserve.request_manager.request import Request
+from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
+from adaserve.tree import CandidateTree, top_chain
+
+
+@dataclass
+class TreePlan:
+    """Who gets verified this iteration: a candidate tree and selected nodes per request."""
+
+    trees: list[CandidateTree]  # as drafted (capped); verification indexes these
+    selections: list[list[int]]  # sorted node indices, root 0 included
+    expected_tokens: list[float]  # 1 + sum of the selected nodes' (calibrated) f(v)
+    shape: SpecShape | None = None  # None: no draft ran (plain decoding)
+    draft_s: float = 0.0
+    select_s: float = 0.0
+
+    @classmethod
+    def plain(cls, requests: Sequence[Request]) -> TreePlan:
+        return cls(
+            [CandidateTree.root(r.last_token) for r in requests],
+            [[0] for _ in requests],
+            [1.0] * len(requests),
+        )
+
+
+class TreePlanner:
+    """Drafter + selection (+ controller) of one scheduler."""
+
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        engine: ExecutionEngine,
+        drafter: str,
+        cost: ForwardCostModel,
+    ) -> None:
+        self.cfg, self.engine = cfg, engine
+        self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
+        self.drafter: Drafter | None = None
+        self.controller: SpeculationController | None = None
+        if not cfg.speculative:
+            return
+        if drafter == "auto":
+            drafter = "model" if engine.draft is not None else "suffix"
+        if "model" in drafter:
+            engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
+        self.drafter = make_drafter(drafter, cfg, engine)
+        if cfg.controlled:
+            draft_cost = None
+            if self.drafter.costly and engine.draft is not None:
+                draft_cost = ForwardCostModel(forget=cfg.cost_forget)
+                draft_cost.seed(forward_cost_points(engine.draft, cfg.budget))
+            self.controller = SpeculationController(
+                cfg, self.drafter.costly, cfg.budget, cost, draft_cost
+            )
+
+    def shape(self, running: Sequence[Request]) -> SpecShape | None:
+        """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
+        shape = spec_shape(self.cfg, len(running))
+        ctl = self.controller
+        if shape is not None and ctl is not None:
+            context = sum(r.num_cached for r in running)
+            if not ctl.should_draft(len(running), shape, context):
+                return None
+        return shape
+
+    def scratch_tokens(self, shape: SpecShape | None) -> int:
+        return 0 if shape is None or self.drafter is None else self.drafter.scratch_tokens(shape)
+
+    def plan(
+        self, reqs: list[Request], shape: SpecShape | None, context: int, extra_tokens: int
+    ) -> TreePlan:
+        """Draft and select for `reqs`; `extra_tokens` (prefill) ride in the same forward."""
+        if shape is None:
+            return TreePlan.plain(reqs)
+        assert self.drafter is not None
+        start = time.monotonic()
+        ctl = self.controller
+        if self.engine.draft is not None:
+            scratch = self.drafter.scratch_tokens(shape)
+            for r in reqs:  # the scheduler checked these fit; the drafter frees the scratch
+                self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
+        keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
+        trees = self.drafter.propose(reqs, shape, keep_going)
+        t_draft = time.monotonic()
+        trees = [self.cap_depth(r, t) for r, t in zip(reqs, trees)]
+        if self.cfg.policy == "sequence":
+            trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
+        # Controlled: the selection sees calibrated f(v) and the cost model's t_spec.
+        scored = trees if ctl is None else ctl.calibrate(trees)
+        if ctl is None:
+            t_spec = self.t_spec.value_s
+        else:
+            t_spec = ctl.t_spec_s(len(reqs), context, shape, extra_tokens)
+        a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
+        selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
+        if ctl is not None:
+            selections, _ = ctl.prune(scored, selections, slo_step, context)
+        expected = [sum(t.path_prob(v) for v in sel) for t, sel in zip(scored, selections)]
+        return TreePlan(
+            trees,
+            selections,
+            expected,
+            shape,
+            draft_s=t_draft - start,
+            select_s=time.monotonic() - t_draft,
+        )
+
+    def cap_depth(self, req: Request, tree: CandidateTree) -> CandidateTree:
+        """Drop nodes deeper than the request can still use (max_tokens, max_model_len)."""
+        room = (
+            min(
+                req.params.max_tokens - len(req.output_token_ids),
+                self.engine.max_model_len - req.num_tokens,
+            )
+            - 1
+        )
+        if max(tree.depths) <= room:
+            return tree
+        keep = [v for v in range(len(tree)) if tree.depths[v] <= room]
+        capped = CandidateTree.root(tree.tokens[0])
+        new_id = {0: 0}
+        for v in keep[1:]:
+            (new_id[v],) = capped.add_nodes(
+                [new_id[tree.parents[v]]], [tree.tokens[v]], [tree.logprobs[v]]
+            )
+        return capped
+
+    def after_iteration(
+        self,
+        plan: TreePlan,
+        num_requests: int,
+        accepted: int,
+        padded_tokens: int,
+        context: int,
+        total_s: float,
+    ) -> None:
+        """Feed what the iteration measured back into t_spec and speculation control."""
+        if plan.shape is None:
+            return
+        self.t_spec.update(total_s)
+        ctl = self.controller
+        if ctl is None or self.drafter is None or not self.drafter.costly:
+            return
+        steps = max(max(t.depths) for t in plan.trees)
+        ctl.record_draft_time(plan.draft_s, steps, num_requests * plan.shape.width, context)
+        # Scored by what was accepted, not by what calibration expected: a cold calibration
+        # must not switch off a draft that is doing well.
+        ctl.record_score(
+            ctl.iteration_ratio(
+                num_requests + accepted, num_requests, padded_tokens, context, plan.draft_s
+            )
+        )
+
+
+def _widest_frontier(cfg: SchedulerConfig) -> int:
+    """The most nodes one request feeds in a draft step under this policy (graph widths)."""
+    if cfg.policy == "specinfer":
+        expansion = cfg.specinfer_expansion
+        sizes = SpecShape(len(expansion), max(expansion), expansion).frontier_sizes()
+        return max(sizes[:-1], default=1)
+    return 1 if cfg.policy == "sequence" else cfg.max_width

@@ -1,0 +1,170 @@
+"""Chunked prefill: same outputs, long prompts never stall a stream past ~2x its SLO, TTFT SLOs
+pull chunks forward; the chunk-sizing rule on its own."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from adaserve import LLMEngine, SamplingParams
+from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.request_manager.prefill import chunk_tokens, largest_chunk, ttft_chunk
+from adaserve.request_manager.request import Request
+from tests.conftest import make_tiny_checkpoint
+
+
+def engine(target, policy: str, chunked: bool, num_blocks: int = 512, **sched) -> LLMEngine:
+    return LLMEngine(
+        ModelConfig(model=str(target)),
+        CacheConfig(block_size=4, num_blocks=num_blocks, enable_prefix_caching=False),
+        SchedulerConfig(policy=policy, chunked_prefill=chunked, **sched),
+    )
+
+
+def generate(e: LLMEngine, prompts, params) -> list[list[int]]:
+    ids = [e.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    done = {}
+    while e.has_unfinished():
+        for out in e.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[i] for i in ids]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("chunk"), max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_chunked_prefill_gives_the_same_greedy_output(target, policy):
+    # Prompts several chunks long (max_prefill_chunk 24, min 8), mixed with short ones.
+    prompts = [[(7 * i + j) % 90 + 2 for j in range(n)] for i, n in enumerate([150, 3, 97, 40])]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, slo_tpot_ms=s)
+        for s in (50.0, None, 5.0, None)
+    ]
+    ref = generate(engine(target, "incremental", chunked=False), prompts, params)
+    e = engine(target, policy, chunked=True, max_prefill_chunk=24, min_prefill_chunk=8)
+    assert generate(e, prompts, params) == ref, f"{policy}: chunked prefill changed the output"
+    assert e.engine.target.cache.allocator.num_used == 0, "KV blocks leaked"
+
+
+def test_preemption_in_the_middle_of_a_prefill_recomputes_it(target):
+    prompts = [[(3 * i + j) % 90 + 2 for j in range(n)] for i, n in enumerate([120, 110, 100])]
+    params = [SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)] * 3
+    ref = generate(engine(target, "incremental", chunked=False), prompts, params)
+    # 100 blocks of 4 cannot hold all three prompts and their outputs at once.
+    e = engine(
+        target,
+        "incremental",
+        chunked=True,
+        num_blocks=100,
+        max_prefill_chunk=16,
+        min_prefill_chunk=16,
+    )
+    assert generate(e, prompts, params) == ref, "preempted prefills changed the output"
+    assert e.scheduler.num_preemptions > 0, "the test did not preempt anything"
+    assert e.engine.target.cache.allocator.num_used == 0
+
+
+def slowed(e: LLMEngine, per_token_s: float, fixed_s: float) -> LLMEngine:
+    """A target whose forward costs fixed_s + per_token_s x tokens (a controlled cost)."""
+    runner = e.engine.target
+    real = runner._forward
+
+    def forward(batch):
+        time.sleep(fixed_s + per_token_s * len(batch.token_ids))
+        return real(batch)
+
+    runner._forward = forward
+    e.apply_profile(e.sched_cfg.budget, e.sched_cfg.t_spec_init_s)  # re-measure the costs
+    return e
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_long_prompts_arriving_do_not_stall_a_stream_past_twice_its_slo(target, chunked):
+    e = slowed(engine(target, "incremental", chunked=chunked, num_blocks=2048), 0.0002, 0.02)
+    stream = e.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, slo_tpot_ms=300)
+    )
+    for _ in range(5):  # the stream is decoding
+        e.step()
+    for i in range(3):  # three ~1,500-token prompts arrive
+        e.add_request(
+            [(i + j) % 90 + 2 for j in range(1500)],
+            SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+        )
+    while e.has_unfinished():
+        e.step()
+    times = stream.metrics.token_times
+    worst_gap = max(b - a for a, b in zip(times, times[1:]))
+    if chunked:
+        assert worst_gap < 0.6, f"a {1000 * worst_gap:.0f} ms gap for a 300 ms SLO"
+    else:  # without chunking the whole 1,500-token prefill (>= 0.32 s each) stalls the stream
+        assert worst_gap > 0.6, f"unchunked prefill should stall, worst gap {worst_gap:.2f} s"
+
+
+def test_a_ttft_slo_pulls_its_prompt_forward(target):
+    """With a tight TPOT stream running, a prompt with a TTFT SLO gets bigger chunks."""
+    firsts = {}
+    for ttft in (None, 1200.0):
+        e = slowed(engine(target, "incremental", chunked=True, num_blocks=2048), 0.0002, 0.02)
+        e.add_request(
+            [5, 6, 7],
+            SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, slo_tpot_ms=25),
+        )
+        e.step()
+        e.step()
+        r = e.add_request(
+            [(j % 90) + 2 for j in range(1000)],
+            SamplingParams(max_tokens=2, ignore_eos=True, slo_ttft_ms=ttft),
+        )
+        while r.metrics.first_token_time is None:
+            e.step()
+        firsts[ttft] = r.metrics.ttft_s
+    assert firsts[1200.0] < 1.2, f"TTFT {firsts[1200.0]:.2f} s missed its 1.2 s SLO"
+    assert firsts[1200.0] < firsts[None], f"the TTFT SLO did not speed the prompt up: {firsts}"
+
+
+def linear_cost(tokens: int, context: int) -> float:
+    return 0.02 + 0.001 * tokens  # seconds
+
+
+def test_largest_chunk_and_ttft_chunk_solve_their_inequalities():
+    assert largest_chunk(linear_cost, 4, 0, 0.1, 500) == 76  # 0.02 + 0.001 * 80 = 0.1
+    assert largest_chunk(linear_cost, 4, 0, 0.02, 500) == 0
+    assert largest_chunk(linear_cost, 4, 0, 10.0, 64) == 64, "capped"
+    # 1000 tokens in 2 s: ceil(1000 / c) * (0.024 + 0.001 c) <= 2 -> c = 25 (40 x 0.049 s)
+    c = ttft_chunk(linear_cost, 4, 0, 1000, 2.0, 2048)
+    assert c == 25, f"chunk {c} is not the smallest that meets the deadline"
+    assert ttft_chunk(linear_cost, 4, 0, 1000, 0.01, 2048) is None, "a lost deadline"
+
+
+def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
+    now = 100.0
+    ontime = Request("a", [1, 2], SamplingParams(slo_tpot_ms=100))
+    ontime.append_token(3, now - 0.91)
+    for t in range(10):  # 10 tokens after the first in 0.91 s: 0.09 s ahead of its SLO
+        ontime.append_token(3, now - 0.9 + 0.09 * t)
+    lost = Request("b", [1, 2], SamplingParams(slo_tpot_ms=1))  # a 1 ms SLO is lost anyway
+    lost.append_token(3, now - 1.0)
+    waiting = Request("c", list(range(2, 402)), SamplingParams())
+    args = dict(
+        tree_tokens=2,
+        context=0,
+        now=now,
+        max_prefill_chunk=256,
+        max_batched_tokens=2048,
+        min_prefill_chunk=16,
+    )
+    # ontime: allow = 0.1 * 1 + min(bank 0.09, 0.1) = 0.19 s -> 0.02 + 0.001 (2 + c) -> 168
+    n = chunk_tokens(linear_cost, [ontime, lost], [1.0, 1.0], [waiting], **args)
+    assert n == 168, f"chunk {n} does not follow the 100 ms stream's slack"
+    tight = Request("d", [1, 2], SamplingParams(slo_tpot_ms=30))
+    tight.append_token(3, now - 0.3)
+    for t in range(10):
+        tight.append_token(3, now - 0.3 + 0.03 * t)
+    assert chunk_tokens(linear_cost, [tight], [1.0], [waiting], **args) == 16, "minimum chunk"
+    assert chunk_tokens(linear_cost, [], [], [waiting], **args) == 400, "idle: whole prompt"
