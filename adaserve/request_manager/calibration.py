@@ -11,7 +11,9 @@ b = floor(q * num_buckets). Each bin keeps exponentially forgotten counts; an ob
 in a bin first multiplies that bin's (trials n, accepts k, sum of q Q) by `decay`.
 
 Cold start / shrinkage: s pseudo-trials at the bucket centre c_b whose acceptance is the prior
-prior(q) = prior_scale * q (prior_scale = 1 trusts the draft until data says otherwise):
+prior(q) = prior_scale * q * r_d (prior_scale = 1 trusts the draft until data says otherwise),
+r_d = (K_d + s) / (Q_d + s) the depth's accepts over its predicted accepts (all buckets), so a
+draft that is wrong everywhere at this depth is discounted in buckets that have little data:
 
     p_b = (k_b + s * prior(c_b)) / (n_b + s)        x_b = (Q_b + s * c_b) / (n_b + s)
 
@@ -113,10 +115,14 @@ class AcceptanceCalibrator:
     def _bucket_fit(self, row: int) -> tuple[list[float], list[float], list[float]]:
         """(x_b, raw p_b, weight n_b + s) per bucket of one depth, before monotonicity."""
         s = self.prior_strength
+        # The depth's own evidence corrects every bucket's prior at once: r = accepts over
+        # predicted accepts at this depth, shrunk to 1 (a sparse bucket of a draft that is
+        # right 5% of the time must not keep trusting the draft's 0.9).
+        r = (sum(self._accepts[row]) + s) / (sum(self._sum_q[row]) + s)
         xs, ps, ws = [], [], []
         for b, c in enumerate(self._centers):
             n = self._trials[row][b]
-            prior = min(self.prior_scale * c, 1.0)
+            prior = min(self.prior_scale * c * r, 1.0)
             xs.append((self._sum_q[row][b] + s * c) / (n + s))
             ps.append((self._accepts[row][b] + s * prior) / (n + s))
             ws.append(n + s)

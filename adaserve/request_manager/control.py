@@ -76,6 +76,7 @@ class SpeculationController:
         self.num_draft_iterations = 0
         self.num_skipped_drafts = 0
         self.pruned_streak = 0  # iterations in a row whose trees were pruned to nothing
+        self.probing = False  # this iteration probes a drafter that was switched off
         self.num_padded = 0  # forwards for which padding was predicted cheaper
 
     # ------------------------------------------------------------------ 1. draft at all?
@@ -93,6 +94,9 @@ class SpeculationController:
             self.off_until = self.iteration + self.cfg.probe_interval_max
         if self.iteration >= self.off_until:
             self.num_draft_iterations += 1
+            # A probe after an off period drafts one level: if depth 1 does not pay, no
+            # deeper tree will, and a shallow probe costs one draft step, not d.
+            self.probing = self.num_scored >= MIN_SCORED and self.iteration == self.off_until
             return True
         self.num_skipped_drafts += 1
         return False
@@ -117,6 +121,11 @@ class SpeculationController:
         return self.draft_cost.predict(max(1, tokens), context)
 
     @property
+    def exploring(self) -> bool:
+        """Calibration has not yet seen enough verified nodes to be trusted."""
+        return self.calibrator.observations(1) < EXPLORE_OBSERVATIONS
+
+    @property
     def drafting_on(self) -> bool:
         return not self.costly_drafter or self.iteration + 1 >= self.off_until
 
@@ -124,8 +133,7 @@ class SpeculationController:
         """R of an iteration that drafted; turns drafting off while the average loses."""
         if not self.costly_drafter:
             return
-        probe = self.num_scored >= MIN_SCORED and self.iteration == self.off_until
-        w = 1.0 if self.num_scored == 0 or probe else SCORE_EMA
+        w = 1.0 if self.num_scored == 0 or self.probing else SCORE_EMA
         # A probe's own score decides: the average still holds the iterations that lost.
         self.score = (1 - w) * self.score + w * ratio
         self.num_scored += 1
@@ -213,7 +221,7 @@ class SpeculationController:
         Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
-        if self.calibrator.observations(1) < EXPLORE_OBSERVATIONS:
+        if self.exploring:
             expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
             return [list(s) for s in selections], expected
         # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties

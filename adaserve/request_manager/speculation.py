@@ -82,6 +82,8 @@ class TreePlanner:
             context = sum(r.num_cached for r in running)
             if not ctl.should_draft(len(running), shape, context):
                 return None
+            if ctl.probing and shape.expansion is None:
+                return SpecShape(depth=1, width=shape.width)
         return shape
 
     def scratch_tokens(self, shape: SpecShape | None) -> int:
@@ -164,12 +166,11 @@ class TreePlanner:
             return
         steps = max(max(t.depths) for t in plan.trees)
         ctl.record_draft_time(plan.draft_s, steps, num_requests * plan.shape.width, context)
-        # Scored by what was accepted, not by what calibration expected: a cold calibration
-        # must not switch off a draft that is doing well.
+        # Scored by the calibrated expectation once calibration has seen the drafter (one
+        # lucky probe must not switch a bad draft back on), by what was accepted before.
+        tokens = num_requests + accepted if ctl.exploring else sum(plan.expected_tokens)
         ctl.record_score(
-            ctl.iteration_ratio(
-                num_requests + accepted, num_requests, padded_tokens, context, plan.draft_s
-            )
+            ctl.iteration_ratio(tokens, num_requests, padded_tokens, context, plan.draft_s)
         )
 
 
