@@ -43,6 +43,7 @@ PAD_EXPLORE = 16
 # Until this many depth-1 nodes were verified, trees are not pruned: the calibration must
 # first see what the drafter is worth (its raw probabilities may be far off either way).
 EXPLORE_OBSERVATIONS = 16
+MIN_FORWARD_S = 1e-4
 
 
 class SpeculationController:
@@ -156,7 +157,8 @@ class SpeculationController:
     def forward_s(self, tokens: int, context: int) -> float:
         """Predicted target forward time of `tokens` tokens, at its cheapest padded size."""
         padded = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
-        return self.verify_cost.predict(padded, context)
+        # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
+        return max(self.verify_cost.predict(padded, context), MIN_FORWARD_S)
 
     def pad_to(self, tokens: int, context: int) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.

@@ -18,6 +18,7 @@ from adaserve.exec.draft_vocab import (
     save_ranking,
 )
 from adaserve.exec.loader import load_model
+from tests.request_manager.test_speculative import run
 
 
 def test_ranking_orders_by_count_then_id_and_covers_every_token(tmp_path):
@@ -60,13 +61,7 @@ def test_a_draft_with_a_reduced_head_proposes_only_its_tokens_and_stays_lossless
         )
 
     def generate(e: LLMEngine) -> list[list[int]]:
-        ids = [e.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-        done = {}
-        while e.has_unfinished():
-            for out in e.step():
-                if out.finished:
-                    done[out.request_id] = out.outputs[0].token_ids
-        return [done[i] for i in ids]
+        return run(e, prompts, params)[0]
 
     ref = generate(engine("incremental", None))
     spec = engine("adaserve_paper", 32)

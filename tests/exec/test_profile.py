@@ -83,3 +83,45 @@ def test_profile_of_a_tiny_engine(tiny_llama: Path) -> None:
     assert prof.baseline_latency_ms > 0
     for runner in (engine.target, engine.draft):
         assert runner is not None and runner.cache.allocator.num_used == 0, "profiling leaked KV"
+
+
+def test_a_noisy_profile_is_recognised() -> None:
+    quiet = synthetic_profile()
+    assert quiet.noise_reason() is None
+    spread = Profile(**{**quiet.__dict__, "max_spread": 0.9})
+    assert "spread 90%" in (spread.noise_reason() or "")
+    # A 1-token forward far above the multi-token ones (a busy machine, not a real curve).
+    busy = tuple(LatencyPoint(t, 256, 1300.0 if t == 1 else 60.0 + t) for t in (1, 2, 4, 8))
+    assert "1-token forward" in (Profile(**{**quiet.__dict__, "target": busy}).noise_reason() or "")
+
+
+def test_the_profile_stores_a_fitted_cost_model_that_predicts_its_points(tiny_llama) -> None:
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    prof = profile_engine(engine, quick=True, progress=False, max_tokens=8)
+    assert prof.cost_model is not None and prof.cost_model["g_s"], "no fitted coefficients"
+    model = Profile.load(prof.save(Path(engine.target_path) / "p.json")).forward_cost_model()
+    for p in prof.target:
+        context = p.context * min(p.tokens, 8)
+        assert model.predict(p.tokens, context) == pytest.approx(p.ms / 1000, rel=0.5), p
+
+
+def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeypatch) -> None:
+    import adaserve.exec.profile as profile_mod
+
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    noisy = Profile(**{**synthetic_profile().__dict__, "max_spread": 2.0})
+    calls = []
+    monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: calls.append(1) or noisy)
+    assert profile_mod.startup_profile(engine, progress=False) is None
+    assert len(calls) == 2, "a noisy profile is measured once more"
+    assert not profile_mod.startup_profile_path(engine).exists(), "a noisy profile was cached"
+    quiet = synthetic_profile()
+    monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: quiet)
+    assert profile_mod.startup_profile(engine, progress=False) == quiet
+    path = profile_mod.startup_profile_path(engine)
+    assert path.exists()
+    # A server that ran stores its refined cost model in that cached profile.
+    model = quiet.forward_cost_model()
+    model.observe(1, 0, 0.5)
+    profile_mod.refresh_startup_profile(engine, model)
+    assert Profile.load(path).cost_model is not None

@@ -12,6 +12,7 @@ from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.request_manager.prefill import chunk_tokens, largest_chunk, ttft_chunk
 from adaserve.request_manager.request import Request
 from tests.conftest import make_tiny_checkpoint
+from tests.request_manager.test_speculative import run
 
 
 def engine(target, policy: str, chunked: bool, num_blocks: int = 512, **sched) -> LLMEngine:
@@ -23,13 +24,7 @@ def engine(target, policy: str, chunked: bool, num_blocks: int = 512, **sched) -
 
 
 def generate(e: LLMEngine, prompts, params) -> list[list[int]]:
-    ids = [e.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
-    done = {}
-    while e.has_unfinished():
-        for out in e.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[i] for i in ids]
+    return run(e, prompts, params)[0]
 
 
 @pytest.fixture(scope="module")
