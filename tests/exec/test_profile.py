@@ -109,6 +109,7 @@ def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeyp
     import adaserve.exec.profile as profile_mod
 
     engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    profile_mod.startup_profile_path(engine).unlink(missing_ok=True)  # another test's server
     noisy = Profile(**{**synthetic_profile().__dict__, "max_spread": 2.0})
     calls = []
     monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: calls.append(1) or noisy)
