@@ -3,7 +3,8 @@
     T(n, c) = g(bucket(n)) + a * c,        a >= 0
 
 n is the number of tokens in the forward, c the context tokens attended. bucket(n) is n for
-n <= 32 and the next power of two above (a forward may be padded, so 40 tokens cost g(64)).
+n <= 32 and the next power of two above; a sample of 40 tokens counts in bucket 64, and a
+prediction for 40 tokens interpolates between g(32) and g(64).
 g is free: on a CPU the second token costs more than eight (no linearity, no monotonicity).
 
 Fit: weighted least squares with exponential forgetting, kept as sufficient statistics per
@@ -167,7 +168,14 @@ class ForwardCostModel:
         _check(tokens, context)
         if self._dirty:
             self._solve()
-        return max(self._g(bucket_of(tokens)) + self._slope * context, 0.0)
+        k = bucket_of(tokens)
+        g = self._g(k)
+        if k != tokens:
+            # Between two power-of-two buckets a forward runs at its own size (padding is
+            # the caller's choice): interpolate rather than price it at the next bucket.
+            lo = k // 2
+            g = self._g(lo) + (g - self._g(lo)) * (tokens - lo) / (k - lo)
+        return max(g + self._slope * context, 0.0)
 
     def best_padded(self, tokens: int, context: int, max_tokens: int) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted

@@ -121,7 +121,10 @@ def test_seeds_hold_for_unobserved_buckets_and_interpolation_fills_gaps():
     assert model.predict(10, 0) == pytest.approx(0.13 + (0.11 - 0.13) * 6 / 12), (
         "10 not interpolated"
     )
-    assert model.predict(40, 0) == pytest.approx(0.20), "40 tokens not priced at the 64 bucket"
+    g32 = 0.11 + 0.09 * 16 / 48
+    assert model.predict(40, 0) == pytest.approx(g32 + (0.20 - g32) * 8 / 32), (
+        "40 tokens not interpolated between the 32 and 64 buckets"
+    )
     assert model.predict(32, 0) == pytest.approx(0.11 + 0.09 * 16 / 48), "32 not interpolated"
     # Beyond the largest known bucket: last segment's slope.
     assert model.predict(128, 0) == pytest.approx(0.20 + 0.09 / 48 * 64), "128 not extrapolated"
