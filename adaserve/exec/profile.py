@@ -189,12 +189,16 @@ def _interp(points: Sequence[LatencyPoint], tokens: float, context: int) -> floa
 def derive_budget(latency_ms: dict[int, float], factor: float) -> int:
     """Largest token count whose latency stays within `factor` x the 1-token latency.
 
-    Walks up the measured counts and stops at the first one over the limit (a later point
-    dipping back under it is noise, not headroom), interpolating linearly inside that step.
+    Each count costs its cheapest padded size (the cheapest measured count >= it); walks up
+    the counts and stops at the first one over the limit, interpolating inside that step.
     """
     counts = sorted(latency_ms)
     if not counts or counts[0] != 1:
         raise ValueError("the profile needs a 1-token measurement to derive the budget")
+    # A forward of n tokens can be padded to any larger measured count (the scheduler does
+    # so when that is faster: on a CPU 2-3 tokens can cost more than 8), so n costs the
+    # cheapest measured count >= n.
+    latency_ms = {n: min(latency_ms[m] for m in counts if m >= n) for n in counts}
     limit = factor * latency_ms[1]
     budget = 1
     for lo, hi in zip(counts, counts[1:]):

@@ -27,9 +27,14 @@ def test_budget_is_the_last_count_within_the_factor_interpolated() -> None:
     assert derive_budget({1: 10.0, 2: 30.0}, 1.2) == 1, "never below one token"
 
 
-def test_budget_stops_at_the_first_crossing() -> None:
-    noisy = {1: 10.0, 2: 11.0, 4: 30.0, 8: 12.0}  # 8 dipping back under the limit is noise
-    assert derive_budget(noisy, 1.5) == 2
+def test_budget_stops_at_the_first_crossing_of_the_padded_curve() -> None:
+    # 4 tokens can run padded to 8 (12 ms): the curve is 10, 11, 12, 12 -> all within 15 ms.
+    assert derive_budget({1: 10.0, 2: 11.0, 4: 30.0, 8: 12.0}, 1.5) == 8
+    # This CPU: 2 tokens cost 1.6x one token, 4-16 tokens less (padding makes 2 cost 52 ms).
+    cpu = {1: 38.0, 2: 60.0, 4: 52.0, 8: 54.0, 16: 61.0, 32: 85.0}
+    # limit 57 ms: 8 tokens (54) fit, 16 (61) do not -> 8 + (57 - 54) * 8 / (61 - 54) = 11.4
+    assert derive_budget(cpu, 1.5) == 11
+    assert derive_budget({1: 10.0, 2: 11.0, 4: 30.0, 8: 40.0}, 1.5) == 2
     with pytest.raises(ValueError, match="1-token"):
         derive_budget({2: 1.0, 4: 2.0}, 1.5)
 
