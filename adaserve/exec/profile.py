@@ -191,6 +191,9 @@ def derive_budget(latency_ms: dict[int, float], factor: float) -> int:
 
     Each count costs its cheapest padded size (the cheapest measured count >= it); walks up
     the counts and stops at the first one over the limit, interpolating inside that step.
+    A CPU cliff (even the cheapest multi-token forward over the limit: a 1-token forward is a
+    matrix-vector product no larger forward gets) measures the flat region from that cheapest
+    multi-token forward instead; whether its tokens pay is then speculation control's call.
     """
     counts = sorted(latency_ms)
     if not counts or counts[0] != 1:
@@ -200,6 +203,8 @@ def derive_budget(latency_ms: dict[int, float], factor: float) -> int:
     # cheapest measured count >= n.
     latency_ms = {n: min(latency_ms[m] for m in counts if m >= n) for n in counts}
     limit = factor * latency_ms[1]
+    if len(counts) > 2 and latency_ms[counts[1]] > limit:
+        limit = factor * latency_ms[counts[1]]
     budget = 1
     for lo, hi in zip(counts, counts[1:]):
         if latency_ms[hi] <= limit:
@@ -419,7 +424,9 @@ def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile |
         try:
             cached = Profile.load(path)
             if cached.noise_reason() is None:
-                return cached
+                # The points are the measurement; B is derived, by this version's rule.
+                at_ctx = {p.tokens: p.ms for p in cached.target if p.context == cached.budget_context}
+                return replace(cached, budget=derive_budget(at_ctx, cached.budget_factor))
         except ValueError:
             pass  # written by another version: measure again
     for attempt in range(2):

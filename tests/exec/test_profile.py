@@ -39,6 +39,20 @@ def test_budget_stops_at_the_first_crossing_of_the_padded_curve() -> None:
         derive_budget({2: 1.0, 4: 2.0}, 1.5)
 
 
+def test_budget_after_a_cpu_cliff_is_measured_from_the_cheapest_multi_token_forward() -> None:
+    # The dev CPU's start-up profile: a 1-token forward (matrix-vector) costs 39.7 ms and the
+    # cheapest multi-token one 59.7 ms, 0.3% over 1.5 x 39.7. The first-crossing rule gave
+    # B = 1, so `make serve` verified nothing but roots; the flat region 2..16 is what counts.
+    cpu = {1: 39.7, 2: 66.3, 4: 59.7, 8: 59.9, 16: 76.6, 32: 102.0, 64: 162.6}
+    # limit 1.5 x 59.7 = 89.55: 16 (76.6) fits, 32 (102) does not -> 16 + 12.95 * 16 / 25.4
+    assert derive_budget(cpu, 1.5) == 24
+    # No cliff when some multi-token forward is within the limit (4 tokens, 59.0 ms): the first
+    # rule holds, 4 + (59.55 - 59.0) * 4 / (59.9 - 59.0) = 6.4.
+    assert derive_budget({1: 39.7, 2: 66.3, 4: 59.0, 8: 59.9, 16: 76.6}, 1.5) == 6
+    # Two points cannot tell a cliff from a steep line.
+    assert derive_budget({1: 10.0, 2: 30.0}, 1.5) == 1
+
+
 def synthetic_profile() -> Profile:
     target = tuple(LatencyPoint(t, 256, 10.0 + t) for t in (1, 2, 4, 8))
     target += tuple(LatencyPoint(t, 1024, 20.0 + t) for t in (1, 2, 4, 8))
@@ -126,6 +140,10 @@ def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeyp
     assert profile_mod.startup_profile(engine, progress=False) == quiet
     path = profile_mod.startup_profile_path(engine)
     assert path.exists()
+    # A cached profile's B is derived again from its points by this version's rule (the
+    # synthetic profile stores B = 5; its points, 11-18 ms, give 4 + 2.5 * 4 / 4 = 6).
+    monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: pytest.fail("re-measured"))
+    assert profile_mod.startup_profile(engine, progress=False).budget == 6
     # A server that ran stores its refined cost model in that cached profile.
     model = quiet.forward_cost_model()
     model.observe(1, 0, 0.5)
