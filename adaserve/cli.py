@@ -115,6 +115,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
         help="prompt tokens per iteration that requests without an SLO tolerate",
     )
     p.add_argument("--seed", type=int, default=m.seed, help="seed of requests that give none")
+    p.add_argument(
+        "--record-acceptance",
+        default=None,
+        metavar="FILE",
+        help="append every verified tree (draft probabilities, accepted nodes) to this JSONL "
+        "file: the acceptance model of `adaserve simulate --acceptance FILE`",
+    )
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -135,6 +142,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         enable_prefix_caching=not a.no_prefix_caching,
         chunked_prefill=not a.no_chunked_prefill,
         max_prefill_chunk=a.max_prefill_chunk,
+        record_acceptance=a.record_acceptance,
     )
 
 

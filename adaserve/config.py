@@ -138,6 +138,8 @@ class SchedulerConfig:
     cost_forget: float = 0.98
     probe_interval_min: int = 8
     probe_interval_max: int = 256
+    # Append every verified tree to this JSONL file (the simulator's recorded acceptance).
+    record_acceptance: str | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:

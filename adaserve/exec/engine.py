@@ -7,6 +7,7 @@ manager through `runner.cache` before a batch is run, never by the runner itself
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -129,6 +130,12 @@ class ModelRunner:
             for table in tables:
                 self.cache.release(table)
 
+    def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
+        """A quick measured cost curve (tokens, context, seconds) that seeds a cost model."""
+        from adaserve.exec.profile import forward_cost_points
+
+        return forward_cost_points(self, max_tokens)
+
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         self.backend.plan(batch.metadata())
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
@@ -185,7 +192,13 @@ def _build_runner(
 
 
 class ExecutionEngine:
-    """Target runner, optional draft runner, tokenizer and the model-length limit."""
+    """Target runner, optional draft runner, tokenizer and the model-length limit.
+
+    `clock` is what the scheduler reads for every timestamp; the simulator's engine
+    (`adaserve.sim`) replaces it with a virtual clock that its forwards advance.
+    """
+
+    clock = staticmethod(time.monotonic)
 
     def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, need_draft: bool) -> None:
         self.target_path = resolve_model_path(model_cfg.model)

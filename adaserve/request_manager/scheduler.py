@@ -8,14 +8,14 @@ alone, so verification degenerates to sampling one token from the target.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine, SequenceBatchBuilder
-from adaserve.exec.profile import forward_cost_points
+from adaserve.request_manager.acceptance_log import AcceptanceLog
+from adaserve.request_manager.drafters import Drafter
 from adaserve.request_manager.output import OutputProcessor
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.prefill import chunk_tokens, prefill_target
@@ -60,12 +60,20 @@ class Scheduler:
         self,
         cfg: SchedulerConfig,
         engine: ExecutionEngine,
-        drafter: str = "auto",
+        drafter: str | Drafter = "auto",
         cost_model: ForwardCostModel | None = None,
     ) -> None:
-        """`cost_model`: the target's forward cost (from a profile); measured here if None."""
+        """`cost_model`: the target's forward cost (from a profile); measured here if None.
+
+        `drafter`: a name (`make_drafter`) or a Drafter instance (the simulator's).
+        """
         self.cfg = cfg
         self.engine = engine
+        self.clock = engine.clock
+        # Set to an AcceptanceLog to record every verified tree (`--record-acceptance`).
+        self.acceptance_log: AcceptanceLog | None = None
+        if cfg.record_acceptance is not None:
+            self.acceptance_log = AcceptanceLog(cfg.record_acceptance)
         self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt KV not complete yet (FIFO)
@@ -74,7 +82,7 @@ class Scheduler:
         self.num_preemptions = 0
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
-            cost_model.seed(forward_cost_points(engine.target, max(cfg.budget, 64)))
+            cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
         self.cost = cost_model
         self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel())
         self.drafter = self.planner.drafter
@@ -117,7 +125,7 @@ class Scheduler:
                 if req.request_id == request_id:
                     queue.remove(req)
                     self._free(req)
-                    req.finish("abort", time.monotonic())
+                    req.finish("abort", self.clock())
                     return req
         return None
 
@@ -198,7 +206,7 @@ class Scheduler:
         self._admit()
         if not (self.running or self.prefilling):
             return []
-        start = time.monotonic()
+        start = self.clock()
         if not self.cfg.chunked_prefill and self.prefilling:
             decoding: list[Request] = []  # a whole-prompt prefill iteration, as before chunking
             shape, cut_short = None, []
@@ -224,9 +232,9 @@ class Scheduler:
         )
         if plan.shape is not None:
             stats.depth, stats.width = plan.shape.depth, plan.shape.width
-        t_verify = time.monotonic()
+        t_verify = self.clock()
         changed = self._forward_and_commit(decoding, plan, chunks, stats, context)
-        end = time.monotonic()
+        end = self.clock()
         stats.verify_s = end - t_verify
         stats.total_s = end - start
         self.planner.after_iteration(
@@ -260,7 +268,7 @@ class Scheduler:
             self.prefilling,
             tree_tokens,
             context,
-            time.monotonic(),
+            self.clock(),
             self.cfg.max_prefill_chunk,
             self.cfg.max_num_batched_tokens,
             self.cfg.min_prefill_chunk,
@@ -322,9 +330,9 @@ class Scheduler:
             stats.num_tokens = stats.prefill_tokens
         ctl = self.controller
         pad_to = total if ctl is None else ctl.pad_to(total, context)
-        t_forward = time.monotonic()
+        t_forward = self.clock()
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
-        now = time.monotonic()
+        now = self.clock()
         stats.padded_tokens = pad_to
         if self.cost is not None:
             self.cost.observe(
@@ -372,10 +380,12 @@ class Scheduler:
                 p.top_p,
                 r.generator,
             )
-            if ctl is not None and len(vt) > 1:
-                ctl.observe_verification(
-                    tree, vt.source_nodes, [vt.source_nodes[v] for v in accepted]
-                )
+            if len(vt) > 1:
+                taken = [vt.source_nodes[v] for v in accepted]
+                if ctl is not None:
+                    ctl.observe_verification(tree, vt.source_nodes, taken)
+                if self.acceptance_log is not None:
+                    self.acceptance_log.record(tree, vt.source_nodes, taken)
             keep = [0] + accepted
             cache.keep_subset(r.block_table, r.num_cached, keep)
             r.num_cached += len(keep)
@@ -452,7 +462,7 @@ class Scheduler:
                 if not self.running:
                     # Alone and still too big: the pool cannot hold this request any longer.
                     self._free(victim)
-                    victim.finish("length", time.monotonic())
+                    victim.finish("length", self.clock())
                     return [victim]
             self._free(victim)
             victim.status = RequestStatus.WAITING

@@ -8,14 +8,12 @@ the decision whether to draft at all (`control.py`).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine
-from adaserve.exec.profile import forward_cost_points
 from adaserve.request_manager.control import SpeculationController
 from adaserve.request_manager.drafters import Drafter, make_drafter
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
@@ -51,7 +49,7 @@ class TreePlanner:
         self,
         cfg: SchedulerConfig,
         engine: ExecutionEngine,
-        drafter: str,
+        drafter: str | Drafter,
         cost: ForwardCostModel,
     ) -> None:
         self.cfg, self.engine = cfg, engine
@@ -60,16 +58,19 @@ class TreePlanner:
         self.controller: SpeculationController | None = None
         if not cfg.speculative:
             return
-        if drafter == "auto":
-            drafter = "model" if engine.draft is not None else "suffix"
-        if "model" in drafter:
-            engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
-        self.drafter = make_drafter(drafter, cfg, engine)
+        if isinstance(drafter, Drafter):
+            self.drafter = drafter
+        else:
+            if drafter == "auto":
+                drafter = "model" if engine.draft is not None else "suffix"
+            if "model" in drafter:
+                engine.enable_draft_graphs(cfg.max_num_seqs, _widest_frontier(cfg))
+            self.drafter = make_drafter(drafter, cfg, engine)
         if cfg.controlled:
             draft_cost = None
             if self.drafter.costly and engine.draft is not None:
                 draft_cost = ForwardCostModel(forget=cfg.cost_forget)
-                draft_cost.seed(forward_cost_points(engine.draft, cfg.budget))
+                draft_cost.seed(engine.draft.cost_points(cfg.budget))
             self.controller = SpeculationController(
                 cfg, self.drafter.costly, cfg.budget, cost, draft_cost
             )
@@ -98,7 +99,7 @@ class TreePlanner:
         if shape is None:
             return TreePlan.plain(reqs)
         assert self.drafter is not None
-        start = time.monotonic()
+        start = self.engine.clock()
         ctl = self.controller
         if self.engine.draft is not None:
             scratch = self.drafter.scratch_tokens(shape)
@@ -106,7 +107,7 @@ class TreePlanner:
                 self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
         keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
         trees = self.drafter.propose(reqs, shape, keep_going)
-        t_draft = time.monotonic()
+        t_draft = self.engine.clock()
         trees = [self.cap_depth(r, t) for r, t in zip(reqs, trees)]
         if self.cfg.policy == "sequence":
             trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
@@ -127,7 +128,7 @@ class TreePlanner:
             expected,
             shape,
             draft_s=t_draft - start,
-            select_s=time.monotonic() - t_draft,
+            select_s=self.engine.clock() - t_draft,
         )
 
     def cap_depth(self, req: Request, tree: CandidateTree) -> CandidateTree:
