@@ -324,6 +324,7 @@ register(
     "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
 )
 from adaserve.bench import command as bench_command  # noqa: E402
+from adaserve.sim import run as sim_run  # noqa: E402
 from adaserve.distill import cli as distill_cli  # noqa: E402
 from adaserve.distill import vocab as draft_vocab  # noqa: E402
 from adaserve.exec import profile as exec_profile  # noqa: E402
@@ -345,6 +346,12 @@ register(
     "rank the target's output tokens for a draft's reduced-vocabulary head",
     draft_vocab.add_arguments,
     draft_vocab.run,
+)
+register(
+    "simulate",
+    "replay a trace through the real scheduler on a virtual clock (capacity planning)",
+    sim_run.add_arguments,
+    sim_run.run,
 )
 register(
     "bench",

@@ -41,8 +41,9 @@ def _rps_list(text: str) -> list[float]:
     return values
 
 
-def add_workload_arguments(p: argparse.ArgumentParser) -> None:
-    """Trace, shrinking options and outputs (the flags bench and bench sweep share)."""
+def add_workload_arguments(p: argparse.ArgumentParser, simulated: bool = False) -> None:
+    """Trace, shrinking options and outputs (the flags bench, bench sweep and simulate share;
+    `simulated` leaves out what only a network client needs)."""
     # Not required=True: argparse would then demand it before `sweep` too; run() checks it.
     p.add_argument(
         "--trace", default=None, help="trace file in the AdaServe emission format (required)"
@@ -84,6 +85,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="append one line per request here (default: OUT with .requests.jsonl)",
     )
     p.add_argument("--plot", default=None, help="draw attainment and goodput vs RPS to this PNG")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if simulated:
+        return
     p.add_argument(
         "--timeout",
         type=float,
@@ -91,7 +95,6 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds a stream may stay silent before its request counts as failed",
     )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def baseline_from_args(args: argparse.Namespace) -> float | None:

@@ -60,6 +60,9 @@ def _check(tokens: int, context: int) -> None:
         raise ValueError(f"context must be >= 0, got {context}")
 
 
+_MEMO_SIZE = 4096
+
+
 class ForwardCostModel:
     """Online T(n, c) = g(bucket(n)) + a * c for one model runner, in seconds."""
 
@@ -90,6 +93,9 @@ class ForwardCostModel:
         self._slope = 0.0
         self._knots: list[int] = []  # known buckets, ascending
         self._values: list[float] = []  # g at the knots, seconds
+        # (tokens, context) -> predicted seconds, until the next fit: selection and pruning
+        # ask for the same few shapes thousands of times per iteration.
+        self._memo: dict[tuple[int, int], float] = {}
 
     # ---- data in -------------------------------------------------------------------------
 
@@ -144,6 +150,7 @@ class ForwardCostModel:
         ]
         self._slope = slope / _CONTEXT_SCALE
         self._dirty = False
+        self._memo.clear()
 
     def _g(self, k: int) -> float:
         """g at bucket k: fitted, or interpolated / extrapolated from the known buckets."""
@@ -165,9 +172,12 @@ class ForwardCostModel:
 
     def predict(self, tokens: int, context: int) -> float:
         """Predicted forward seconds for `tokens` tokens over `context` tokens (0 with no data)."""
-        _check(tokens, context)
         if self._dirty:
             self._solve()
+        hit = self._memo.get((tokens, context))
+        if hit is not None:
+            return hit
+        _check(tokens, context)
         k = bucket_of(tokens)
         g = self._g(k)
         if k != tokens:
@@ -175,7 +185,11 @@ class ForwardCostModel:
             # the caller's choice): interpolate rather than price it at the next bucket.
             lo = k // 2
             g = self._g(lo) + (g - self._g(lo)) * (tokens - lo) / (k - lo)
-        return max(g + self._slope * context, 0.0)
+        value = max(g + self._slope * context, 0.0)
+        if len(self._memo) >= _MEMO_SIZE:
+            self._memo.clear()
+        self._memo[(tokens, context)] = value
+        return value
 
     def best_padded(self, tokens: int, context: int, max_tokens: int) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted

@@ -64,6 +64,9 @@ def _pool_adjacent_violators(values: list[float], weights: list[float]) -> list[
     return out
 
 
+_MEMO_SIZE = 4096
+
+
 class AcceptanceCalibrator:
     """Learns P(accept v | parent accepted) as a monotone function of draft q, per depth."""
 
@@ -103,6 +106,9 @@ class AcceptanceCalibrator:
         self._xs: list[list[float]] = [[] for _ in range(self.max_depth)]
         self._ps: list[list[float]] = [[] for _ in range(self.max_depth)]
         self._dirty = set(range(self.max_depth))
+        # Per depth, q -> calibrated p until the depth is refitted (drafting re-scores the
+        # same trees after every growth step).
+        self._memo: list[dict[float, float]] = [{} for _ in range(self.max_depth)]
 
     def _row(self, depth: int) -> int:
         if depth < 1:
@@ -134,20 +140,29 @@ class AcceptanceCalibrator:
         self._xs[row] = [0.0] + xs
         self._ps[row] = [0.0] + [min(max(p, _EPS), 1.0 - _EPS) for p in mono]
         self._dirty.discard(row)
+        self._memo[row].clear()
 
     def calibrated(self, depth: int, q: float) -> float:
         """Calibrated P(accept | parent accepted) for a node at `depth` with draft prob q."""
         row = self._row(depth)
         if row in self._dirty:
             self._refresh(row)
+        memo = self._memo[row]
+        hit = memo.get(q)
+        if hit is not None:
+            return hit
         xs, ps = self._xs[row], self._ps[row]
-        q = min(max(q, 0.0), 1.0)
-        i = bisect.bisect_right(xs, q)  # xs[i - 1] <= q < xs[i]
+        qc = min(max(q, 0.0), 1.0)
+        i = bisect.bisect_right(xs, qc)  # xs[i - 1] <= q < xs[i]
         if i >= len(xs):
-            return ps[-1]
-        x0, x1, p0, p1 = xs[i - 1], xs[i], ps[i - 1], ps[i]
-        p = p0 + (p1 - p0) * (q - x0) / (x1 - x0)
-        return min(max(p, _EPS), 1.0 - _EPS)
+            p = ps[-1]
+        else:
+            x0, x1, p0, p1 = xs[i - 1], xs[i], ps[i - 1], ps[i]
+            p = min(max(p0 + (p1 - p0) * (qc - x0) / (x1 - x0), _EPS), 1.0 - _EPS)
+        if len(memo) >= _MEMO_SIZE:
+            memo.clear()
+        memo[q] = p
+        return p
 
     def calibrate_tree(self, tree: CandidateTree) -> CandidateTree:
         """A copy of `tree` whose logprobs are log calibrated(depth, q); the input is untouched."""

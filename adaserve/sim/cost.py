@@ -1,0 +1,232 @@
+"""Forward cost models for simulation: a measured profile, or a roofline of a GPU and a model.
+
+A cost model prices one forward from what the batch holds: `tokens` new tokens (padding
+included), `context` cached KV entries read (summed over sequences) and `pairs`, the
+query x key pairs attention computes (sum over sequences of new x (cached + new)).
+
+Roofline (per GPU, tensor parallel degree `tp`, one forward):
+
+    bytes = (weight bytes + context x KV bytes per token) / tp
+    flops = (2 x parameters x tokens + 4 x layers x hidden x pairs) / tp
+    time  = max(bytes / bandwidth, flops / peak) / efficiency
+            + layers x (kernel overhead + [tp > 1] 2 all-reduces of tokens x hidden x 2 bytes)
+
+Half-precision weights and KV. The efficiency factor (default 0.7) stands for what real
+kernels reach of the peaks; the per-layer overhead for kernel launches with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from adaserve.exec.cost_model import ForwardCostModel
+
+BYTES_PER_PARAM = 2  # fp16 / bf16 weights and KV
+DEFAULT_EFFICIENCY = 0.7
+LAYER_OVERHEAD_S = 20e-6  # kernel launches and small ops per decoder layer
+ALLREDUCE_LATENCY_S = 8e-6  # one NVLink all-reduce of a small message
+# Memory the runtime keeps for activations, graphs and fragmentation.
+KV_MEMORY_FRACTION = 0.9
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    memory_gb: float
+    bandwidth_gb_s: float  # HBM
+    peak_tflops: float  # dense fp16/bf16 tensor cores
+    link_gb_s: float  # NVLink per GPU, one direction
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def parameters(self) -> float:
+        """Weights read by a forward: attention, gated MLP, embeddings in and out."""
+        attn = self.hidden * (self.hidden + 2 * self.kv_heads * self.head_dim) + self.hidden**2
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attn + mlp) + 2 * self.vocab * self.hidden
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * BYTES_PER_PARAM
+
+
+# Datasheet numbers (SXM parts, dense, no sparsity).
+GPUS = {
+    g.name: g
+    for g in (
+        GPU("a100-80g", 80, 2039, 312, 300),
+        GPU("h100-sxm", 80, 3350, 989, 450),
+        GPU("h200", 141, 4800, 989, 450),
+    )
+}
+# Published configs. llama-160m is the paper's draft (Felladrin/Llama-160M-Chat-v1).
+MODELS = {
+    m.name: m
+    for m in (
+        ModelSpec("llama-2-7b", 32, 4096, 32, 32, 11008, 32000),
+        ModelSpec("llama-2-13b", 40, 5120, 40, 40, 13824, 32000),
+        ModelSpec("llama-2-70b", 80, 8192, 64, 8, 28672, 32000),
+        ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
+        ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
+        ModelSpec("llama-160m", 12, 768, 12, 12, 3072, 32000),
+    )
+}
+
+
+class CostModel:
+    """Seconds of one forward; `kv_tokens` is how many tokens of KV the deployment holds."""
+
+    name = "?"
+    kv_tokens: int | None = None
+
+    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+        raise NotImplementedError
+
+    def curve(self, tokens: int, context_per_seq: int, num_seqs: int) -> float:
+        """A forward of `tokens` spread over `num_seqs` sequences of `context_per_seq` each."""
+        seqs = max(1, min(tokens, num_seqs))
+        q = tokens / seqs
+        return self.seconds(tokens, seqs * context_per_seq, int(seqs * q * (context_per_seq + q)))
+
+
+class RooflineCost(CostModel):
+    def __init__(
+        self,
+        model: ModelSpec,
+        gpu: GPU,
+        tp: int = 1,
+        efficiency: float = DEFAULT_EFFICIENCY,
+    ) -> None:
+        if tp < 1:
+            raise ValueError(f"tensor parallel degree must be >= 1, got {tp}")
+        if not 0 < efficiency <= 1:
+            raise ValueError(f"efficiency must be in (0, 1], got {efficiency}")
+        self.model, self.gpu, self.tp, self.efficiency = model, gpu, tp, efficiency
+        self.name = f"roofline {model.name} on {tp} x {gpu.name} (efficiency {efficiency:g})"
+        weights = model.parameters * BYTES_PER_PARAM
+        free = tp * gpu.memory_gb * 1e9 * KV_MEMORY_FRACTION - weights
+        if free <= 0:
+            raise ValueError(
+                f"{model.name} ({weights / 1e9:.0f} GB of weights) does not fit on {tp} x "
+                f"{gpu.name}; raise the tensor parallel degree"
+            )
+        self.kv_tokens = int(free // model.kv_bytes_per_token)
+
+    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+        m, g = self.model, self.gpu
+        byts = (m.parameters * BYTES_PER_PARAM + context * m.kv_bytes_per_token) / self.tp
+        flops = (2 * m.parameters * tokens + 4 * m.layers * m.hidden * pairs) / self.tp
+        t = max(byts / (g.bandwidth_gb_s * 1e9), flops / (g.peak_tflops * 1e12)) / self.efficiency
+        per_layer = LAYER_OVERHEAD_S
+        if self.tp > 1:  # two all-reduces per layer (attention out, MLP out)
+            msg = tokens * m.hidden * BYTES_PER_PARAM
+            per_layer += 2 * (ALLREDUCE_LATENCY_S + msg / (g.link_gb_s * 1e9))
+        return t + m.layers * per_layer
+
+
+class ProfileCost(CostModel):
+    """The fitted cost model an `adaserve profile` (or a server's start-up profile) stored."""
+
+    def __init__(self, model: ForwardCostModel, name: str) -> None:
+        self.model, self.name = model, name
+
+    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+        return self.model.predict(max(1, tokens), context)
+
+
+@dataclass(frozen=True)
+class CostSpec:
+    """What `--cost-model` (and `--draft-cost-model`) named, resolved."""
+
+    target: CostModel
+    draft: CostModel | None  # None: the profile has no draft curve / no draft config given
+
+
+def parse_roofline(spec: str, efficiency: float) -> RooflineCost:
+    """'MODEL@GPU' or 'MODEL@GPUxTP', e.g. 'llama-2-70b@a100-80gx4'."""
+    model_name, sep, hw = spec.partition("@")
+    if not sep:
+        raise ValueError(f"a roofline cost model is MODEL@GPU[xTP], got {spec!r}")
+    gpu_name, _, tp_text = hw.partition("x")
+    if model_name not in MODELS:
+        raise ValueError(f"unknown model {model_name!r}; known: {', '.join(MODELS)}")
+    if gpu_name not in GPUS:
+        raise ValueError(f"unknown GPU {gpu_name!r}; known: {', '.join(GPUS)}")
+    try:
+        tp = int(tp_text) if tp_text else 1
+    except ValueError:
+        raise ValueError(f"tensor parallel degree must be an integer, got {tp_text!r}") from None
+    return RooflineCost(MODELS[model_name], GPUS[gpu_name], tp, efficiency)
+
+
+def load_cost(
+    spec: str, draft_spec: str | None = None, efficiency: float = DEFAULT_EFFICIENCY
+) -> CostSpec:
+    """`spec`: a profile JSON path or 'roofline:MODEL@GPU[xTP]'; `draft_spec` likewise."""
+    return CostSpec(_one(spec, efficiency, "target"), _draft(spec, draft_spec, efficiency))
+
+
+def _one(spec: str, efficiency: float, which: str) -> CostModel:
+    if spec.startswith("roofline:"):
+        return parse_roofline(spec.removeprefix("roofline:"), efficiency)
+    from adaserve.exec.profile import Profile
+
+    prof = Profile.load(spec)
+    if which == "target":
+        model = prof.forward_cost_model()
+        return ProfileCost(model, f"profile {Path(spec).name} ({prof.model} on {prof.device})")
+    if not prof.draft:
+        raise ValueError(f"{spec} has no draft measurements (profile it with a draft model)")
+    model = ForwardCostModel()
+    model.seed((p.tokens, p.context * min(p.tokens, 8), p.ms / 1000.0) for p in prof.draft)
+    return ProfileCost(model, f"draft of profile {Path(spec).name} ({prof.draft_model})")
+
+
+def _draft(spec: str, draft_spec: str | None, efficiency: float) -> CostModel | None:
+    if draft_spec is not None:
+        if draft_spec in MODELS and spec.startswith("roofline:"):
+            # A bare model name: the draft runs on one GPU of the target's kind.
+            gpu = parse_roofline(spec.removeprefix("roofline:"), efficiency).gpu
+            return RooflineCost(MODELS[draft_spec], gpu, 1, efficiency)
+        return _one(draft_spec, efficiency, "draft")
+    if spec.startswith("roofline:"):
+        return None
+    try:
+        return _one(spec, efficiency, "draft")
+    except ValueError:
+        return None
+
+
+def baseline_latency_ms(cost: CostModel, batch: int = 8, prompt: int = 32) -> float:
+    """The paper's baseline latency: the cheapest iteration of batch-8 incremental decoding
+    with 32-token prompts (its first decode step, with the least context)."""
+    return 1000.0 * cost.seconds(batch, batch * prompt, batch * (prompt + 1))
+
+
+def derive_sim_budget(cost: CostModel, factor: float) -> int:
+    """B by the profile's rule, on the cost model's curve (256 context, up to 8 sequences)."""
+    from adaserve.exec.profile import BUDGET_CONTEXT, NUM_SEQS, derive_budget
+
+    counts = [2**k for k in range(0, 11)]
+    latency = {n: 1000.0 * cost.curve(n, BUDGET_CONTEXT, NUM_SEQS) for n in counts}
+    return derive_budget(latency, factor)
+
+
+def fmt_s(seconds: float) -> str:
+    return f"{1000 * seconds:.2f} ms" if math.isfinite(seconds) else "inf"

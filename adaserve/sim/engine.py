@@ -1,0 +1,185 @@
+"""The simulated execution engine: real KV bookkeeping, virtual time, a known target.
+
+`SimEngine` has what the scheduler uses of `ExecutionEngine` (runners with a paged KV cache,
+prefix caches, the tokenizer's EOS, the model length, the clock). Its runners keep the real
+`KVCache` and block allocator (one layer, one head of width one: the bookkeeping, not the
+bytes), so admission, preemption and prefix matching behave exactly as on a real engine.
+
+A forward advances the virtual clock by the cost model's time for the batch and returns
+logits whose greedy choice at (token t, position p) is `true_next(t, p)`: a fixed hash, the
+simulated target's "language". A drafted child is accepted exactly when it carries that
+token, which is how the synthetic drafter controls acceptance.
+
+The clock counts simulated forwards and draft steps; with `host_time` it also counts the
+host time the scheduler itself spends (this machine's, so only for simulating this machine).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+
+import torch
+
+from adaserve.exec.engine import ForwardBatch
+from adaserve.exec.kv_cache import KVCache
+from adaserve.exec.prefix_cache import PrefixCache
+from adaserve.sim.cost import CostModel
+
+# Token ids of the simulated target: small, so logits rows are cheap.
+SIM_VOCAB = 128
+SMALL_COUNTS = (1, 2, 3, 4, 6, 8, 12)
+
+
+class VirtualClock:
+    """Seconds since the start of the simulation (callable, like time.monotonic)."""
+
+    def __init__(self, host_time: bool = False) -> None:
+        self.t = 0.0
+        self.host_time = host_time
+        self._last = time.perf_counter()
+
+    def __call__(self) -> float:
+        if self.host_time:
+            now = time.perf_counter()
+            self.t += now - self._last
+            self._last = now
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self()
+        self.t += seconds
+        self._last = time.perf_counter()  # the simulation's own work is not the server's
+
+    def jump_to(self, t: float) -> None:
+        """Idle until `t` (no request is running)."""
+        self()
+        self.t = max(self.t, t)
+        self._last = time.perf_counter()
+
+
+class _Tokenizer:
+    """The scheduler only asks for EOS (simulated requests ignore it) and stop-string text."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))
+
+
+class SimRunner:
+    """A runner whose forward costs virtual time; `truth` set: it returns target logits."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        num_blocks: int,
+        block_size: int,
+        clock: VirtualClock,
+        noise: float = 0.0,
+        rng: random.Random | None = None,
+        target: bool = True,
+    ) -> None:
+        self.cost, self.clock, self.noise = cost, clock, noise
+        self.rng = rng or random.Random(0)
+        self.target = target
+        self.cache = KVCache(1, num_blocks, block_size, 1, 1, torch.float32, torch.device("cpu"))
+        self.device = self.cache.device
+        self.num_forwards = 0
+        self.busy_s = 0.0
+
+    def charge(self, tokens: int, context: int, num_seqs: int) -> float:
+        """Advance the clock by one forward of this shape (draft steps); returns its seconds."""
+        q = tokens / max(1, num_seqs)
+        return self._spend(tokens, context, int(tokens * (context / max(1, num_seqs) + q)))
+
+    def _spend(self, tokens: int, context: int, pairs: int) -> float:
+        s = self.cost.seconds(tokens, context, pairs)
+        if self.noise:
+            s *= math.exp(self.rng.gauss(0.0, self.noise))
+        self.clock.advance(s)
+        self.num_forwards += 1
+        self.busy_s += s
+        return s
+
+    def forward(self, batch: ForwardBatch, pad_to: int | None = None) -> torch.Tensor | None:
+        n = len(batch.token_ids)
+        context = sum(kv - q for kv, q in zip(batch.kv_lens, batch.query_lens))
+        pairs = sum(q * kv for kv, q in zip(batch.kv_lens, batch.query_lens))
+        self._spend(max(n, pad_to or 0), context, pairs)
+        rows = range(n) if batch.logits_indices is None else batch.logits_indices
+        if not self.target or not rows:
+            return None
+        ids, pos = batch.token_ids, batch.positions
+        logits = torch.zeros(len(rows), SIM_VOCAB)
+        right = [true_next(ids[i], pos[i]) for i in rows]
+        logits[torch.arange(len(rows)), torch.tensor(right)] = 1.0
+        return logits
+
+    def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
+        """The cost curve a real runner would measure at start-up (no noise: a quiet machine)."""
+        from adaserve.exec.profile import NUM_SEQS
+
+        counts = sorted({n for n in SMALL_COUNTS if n <= max_tokens} | _powers(max_tokens))
+        points = []
+        for n in counts:
+            seqs = min(n, NUM_SEQS)
+            points.append((n, 64 * seqs, self.cost.curve(n, 64, NUM_SEQS)))
+        return points
+
+
+def _powers(limit: int) -> set[int]:
+    out, n = set(), 1
+    while n <= limit:
+        out.add(n)
+        n *= 2
+    return out
+
+
+def true_next(token: int, position: int) -> int:
+    """The simulated target's greedy next token after `token` at `position`."""
+    return (token * 1_000_003 + position * 7_919 + 12_345) % SIM_VOCAB
+
+
+class SimEngine:
+    """What the scheduler sees of an engine, simulated."""
+
+    cuda_graphs = False
+    draft_graphs = None
+
+    def __init__(
+        self,
+        cost: CostModel,
+        draft_cost: CostModel | None,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        prefix_caching: bool,
+        clock: VirtualClock,
+        noise: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.clock = clock
+        rng = random.Random(seed + 1)
+        self.target = SimRunner(cost, num_blocks, block_size, clock, noise, rng)
+        self.draft: SimRunner | None = None
+        if draft_cost is not None:
+            self.draft = SimRunner(draft_cost, num_blocks, block_size, clock, noise, rng, False)
+        self.tokenizer = _Tokenizer()
+        self.max_model_len = max_model_len
+        self.vocab_size = SIM_VOCAB
+        self.target_prefix = PrefixCache(self.target.cache) if prefix_caching else None
+        self.draft_prefix = (
+            PrefixCache(self.draft.cache) if prefix_caching and self.draft is not None else None
+        )
+
+    def enable_draft_graphs(self, max_num_seqs: int, max_width: int) -> None:
+        return None
+
+    true_next = staticmethod(true_next)
+
+    @staticmethod
+    def wrong_token(right: int, j: int) -> int:
+        """A token other than `right` (the j-th wrong guess)."""
+        return (right + 1 + j) % SIM_VOCAB
