@@ -324,10 +324,10 @@ register(
     "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
 )
 from adaserve.bench import command as bench_command  # noqa: E402
-from adaserve.sim import run as sim_run  # noqa: E402
 from adaserve.distill import cli as distill_cli  # noqa: E402
 from adaserve.distill import vocab as draft_vocab  # noqa: E402
 from adaserve.exec import profile as exec_profile  # noqa: E402
+from adaserve.sim import run as sim_run  # noqa: E402
 
 register(
     "profile",

@@ -425,7 +425,8 @@ def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile |
             cached = Profile.load(path)
             if cached.noise_reason() is None:
                 # The points are the measurement; B is derived, by this version's rule.
-                at_ctx = {p.tokens: p.ms for p in cached.target if p.context == cached.budget_context}
+                ctx = cached.budget_context
+                at_ctx = {p.tokens: p.ms for p in cached.target if p.context == ctx}
                 return replace(cached, budget=derive_budget(at_ctx, cached.budget_factor))
         except ValueError:
             pass  # written by another version: measure again

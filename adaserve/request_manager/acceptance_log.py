@@ -37,9 +37,7 @@ class AcceptanceLog:
         self.num_trees = 0
         atexit.register(self.close)  # a server stopped by a signal still writes its tail
 
-    def record(
-        self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]
-    ) -> None:
+    def record(self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """`verified`: candidate nodes sent to the target (root included); `accepted`: kept."""
         row = {
             "p": tree.parents,

@@ -84,9 +84,10 @@ class AcceptanceModel:
 
     def expected_acceptance(self, depth: int, rng: random.Random, samples: int = 2000) -> float:
         """P(the top child at `depth` is right), by sampling (reports and tests)."""
-        return sum(
-            self.p_correct(depth, self.child_probs(depth, 1, rng)[0]) for _ in range(samples)
-        ) / samples
+        return (
+            sum(self.p_correct(depth, self.child_probs(depth, 1, rng)[0]) for _ in range(samples))
+            / samples
+        )
 
 
 class ParametricAcceptance(AcceptanceModel):
@@ -102,7 +103,9 @@ class ParametricAcceptance(AcceptanceModel):
 
     def child_probs(self, depth: int, n: int, rng: random.Random) -> list[float]:
         mean = self.alpha * self.decay ** (depth - 1)
-        q = [min(1 - MIN_Q, max(MIN_Q, rng.betavariate(mean * self.kappa, (1 - mean) * self.kappa)))]
+        q = [
+            min(1 - MIN_Q, max(MIN_Q, rng.betavariate(mean * self.kappa, (1 - mean) * self.kappa)))
+        ]
         left = 1.0 - q[0]
         for _ in range(n - 1):
             part = left * rng.betavariate(1.0, 2.0)
@@ -285,9 +288,7 @@ class SyntheticDrafter(Drafter):
                 which = j
                 break
         wrong = self.engine.wrong_token
-        return [
-            (right if j == which else wrong(right, j), math.log(qj)) for j, qj in enumerate(q)
-        ]
+        return [(right if j == which else wrong(right, j), math.log(qj)) for j, qj in enumerate(q)]
 
     def _grow(
         self, tree: CandidateTree, frontier: list[int], base: int, shape: SpecShape, step: int

@@ -2,8 +2,9 @@
 
     adaserve simulate --trace T.json --policy adaserve,incremental --rps 1,2,4 \\
         --cost-model profile.json --acceptance accept.jsonl
-    adaserve simulate --trace T.json --policy adaserve --cost-model roofline:llama-2-70b@a100-80gx4 \\
-        --draft-cost-model llama-160m --acceptance param:alpha=0.7,decay=0.95
+    adaserve simulate --trace T.json --policy adaserve \\
+        --cost-model roofline:llama-2-70b@a100-80gx4 --draft-cost-model llama-160m \\
+        --acceptance param:alpha=0.7,decay=0.95
 
 Same trace options and the same report as `adaserve bench` (result lines, per-request lines,
 table, plot); result labels end in "(sim)" so real and simulated runs share a plot.
@@ -34,7 +35,7 @@ from adaserve.bench.workload import (
     requests_path,
     trace_options,
 )
-from adaserve.config import CacheConfig, POLICIES, SchedulerConfig
+from adaserve.config import POLICIES, CacheConfig, SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.profile import DEFAULT_BUDGET_FACTOR
 from adaserve.request_manager.request import Request, SamplingParams
@@ -310,7 +311,12 @@ def run(a: argparse.Namespace) -> int:
             append_jsonl(
                 requests_path(a),
                 [
-                    {"run_id": result["run_id"], "label": label, "rps": result["rps"], **r.to_json()}
+                    {
+                        "run_id": result["run_id"],
+                        "label": label,
+                        "rps": result["rps"],
+                        **r.to_json(),
+                    }
                     for r in sim.records
                 ],
             )
@@ -376,4 +382,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
