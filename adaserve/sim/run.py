@@ -17,7 +17,7 @@ import datetime
 import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,6 +53,7 @@ from adaserve.sim.engine import SIM_VOCAB, SimEngine, VirtualClock
 DEFAULT_MAX_MODEL_LEN = 8192
 # KV of a simulated deployment whose cost model does not say (a measured profile).
 DEFAULT_KV_TOKENS = 262_144
+MAX_IDLE_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -100,9 +101,15 @@ class SimRun:
 
 
 def simulate(
-    reqs: Sequence[BenchRequest], setup: SimSetup, progress: bool = False, desc: str = "sim"
+    reqs: Sequence[BenchRequest],
+    setup: SimSetup,
+    progress: bool = False,
+    desc: str = "sim",
+    on_step: Callable[[Scheduler], None] | None = None,
 ) -> SimRun:
-    """Run `reqs` (arriving at their send times) to completion; one record per request."""
+    """Run `reqs` (arriving at their send times) to completion; one record per request.
+
+    `on_step(scheduler)` runs after every iteration (tests check invariants there)."""
     cfg = setup.sched
     clock = VirtualClock(setup.host_time)
     kv_tokens = setup.kv_tokens or setup.cost.target.kv_tokens or DEFAULT_KV_TOKENS
@@ -136,7 +143,7 @@ def simulate(
     live: list[tuple[BenchRequest, Request]] = []
     stats = SimRun([], 0, 0, 0, 0, 0, 0, 0, num_blocks, 0.0, getattr(drafter, "name", "none"))
     bar = tqdm(total=len(pending), desc=desc, unit="req", disable=not progress, leave=False)
-    start, i, done = time.perf_counter(), 0, 0
+    start, i, done, stuck, last = time.perf_counter(), 0, 0, 0, None
     while i < len(pending) or sched.has_unfinished():
         if not sched.has_unfinished():
             clock.jump_to(pending[i].send_time_s)
@@ -145,8 +152,18 @@ def simulate(
             live.append((pending[i], _add(sched, pending[i], i, rng)))
             i += 1
         changed = sched.step()
+        if on_step is not None:
+            on_step(sched)
         st = sched.last_stats
-        if st is not None and changed is not None:
+        if st is None or st is last:
+            stuck += 1
+            if stuck > MAX_IDLE_STEPS:
+                raise RuntimeError(
+                    f"the scheduler made no progress in {stuck} iterations with "
+                    f"{len(sched.waiting)} requests waiting; give the simulation more KV"
+                )
+        else:
+            stuck, last = 0, st
             stats.iterations += 1
             stats.max_forward_tokens = max(stats.max_forward_tokens, st.num_tokens)
             if st.kind == "decode":
