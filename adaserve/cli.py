@@ -270,6 +270,10 @@ def run_serve(a: argparse.Namespace) -> int:
         slo_classes=a.slo_classes,
     )
     serve(engine, cfg, log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout)
+    acc = engine.scheduler.acceptance_log
+    if acc is not None:
+        acc.close()
+        log.info("recorded %d verified trees to %s", acc.num_trees, acc.path)
     ctl = engine.scheduler.controller
     if cached_profile and ctl is not None and ctl.verify_cost.num_observations > 0:
         # What the server measured while it ran is a better start for the next one.

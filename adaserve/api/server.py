@@ -8,10 +8,11 @@ requests get 503, running ones may finish for `shutdown_timeout_s`, the rest are
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from types import FrameType
 
@@ -138,6 +139,17 @@ class _GracefulServer(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.serving.draining = True
         super().handle_exit(sig, frame)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """uvicorn re-raises the SIGTERM/SIGINT it shut down for once it is done, which kills
+        the process before `serve`'s caller runs: the acceptance log and the refined cost
+        model were never written. The shutdown was graceful: return normally (exit 0)."""
+        with super().capture_signals():
+            yield
+            captured = getattr(self, "_captured_signals", None)
+            if captured is not None:
+                captured.clear()
 
 
 def make_server(

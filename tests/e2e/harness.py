@@ -73,8 +73,13 @@ def serve_subprocess(*args: str, timeout_s: float = 180.0) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        log.seek(0)
+        tail = log.read()[-3000:]
         log.close()
         os.unlink(log.name)
+    # Reached when the test body passed: SIGTERM is a graceful shutdown that exits 0.
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {proc.returncode} on SIGTERM:\n{tail}")
 
 
 class ThreadServer:

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 
 from tests import conftest
 from tests.e2e.harness import metric, read_metrics, serve_subprocess
 
 
-def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(tiny_llama):
-    with serve_subprocess(str(tiny_llama)) as url:
+def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(
+    tiny_llama, tmp_path
+):
+    log = tmp_path / "accept.jsonl"
+    with serve_subprocess(str(tiny_llama), "--record-acceptance", str(log)) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert health["policy"] == "adaserve" and health["drafter"] == "suffix", health
         body = {
@@ -31,6 +36,10 @@ def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(t
             v for (name, _), v in m.items() if name == "adaserve_calibration_observed_acceptance"
         ]
         assert observed and all(0 <= v <= 1 for v in observed), f"calibration: {observed}"
+    # SIGTERM shut the server down cleanly (exit 0, checked by serve_subprocess) and it wrote
+    # every verified tree for `adaserve simulate --acceptance` on the way out.
+    rows = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum(len(r["a"]) for r in rows) == accepted, "the log and the metrics disagree"
     # The start-up profile went to the tests' own cache, never to the user's.
     assert conftest.REAL_CACHE is not None
     assert not list((conftest.REAL_CACHE / "profiles").glob("tiny*")), "a test wrote a profile"
