@@ -14,8 +14,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from adaserve.bench.replay import DEFAULT_REQUEST_TIMEOUT_S, replay
-from adaserve.bench.report import summarize
+from adaserve.bench.report import RequestRecord, summarize
 from adaserve.bench.trace import (
+    BenchRequest,
     TraceOptions,
     TraceRequest,
     describe_options,
@@ -150,7 +151,6 @@ def run_point(
     reqs = prepare(trace, opts)
     if not reqs:
         raise ValueError("no request is left after --duration/--max-requests; loosen them")
-    native = mean_rate([r.emission_time_ms / 1000.0 for r in trace])
     offered = mean_rate([r.send_time_s for r in reqs])
     desc = f"{label or 'bench'} @ {rps if rps is not None else offered or 0:.3g} rps"
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -166,10 +166,32 @@ def run_point(
         )
     )
     label = label or model
-    run_id = f"{label}-rps{rps if rps is not None else 'trace'}-{started}"
-    result = {
+    result = result_line(args, trace, reqs, rps, label, url, model, records, started)
+    result.update(server_metrics=counters, **(extra or {}))
+    append_jsonl(Path(args.out), [result])
+    append_requests(args, result, records)
+    return result
+
+
+def result_line(
+    args: argparse.Namespace,
+    trace: Sequence[TraceRequest],
+    reqs: Sequence[BenchRequest],
+    rps: float | None,
+    label: str,
+    url: str | None,
+    model: str,
+    records: Sequence[RequestRecord],
+    started: str,
+) -> dict:
+    """One result line: what was asked, what was replayed and `summarize(records)`.
+
+    `adaserve bench` (url: the server) and `adaserve simulate` (url None) both write it."""
+    opts = trace_options(args, rps)
+    offered = mean_rate([r.send_time_s for r in reqs])
+    return {
         "version": RESULT_VERSION,
-        "run_id": run_id,
+        "run_id": f"{label}-rps{rps if rps is not None else 'trace'}-{started}",
         "label": label,
         "url": url,
         "model": model,
@@ -178,7 +200,7 @@ def run_point(
         # The rate asked for, else the replayed requests' own (offered_rps: what was sent).
         "rps": rps if rps is not None else offered,
         "offered_rps": offered,
-        "trace_rps": native,
+        "trace_rps": mean_rate([r.emission_time_ms / 1000.0 for r in trace]),
         "options": {
             "rps": opts.rps,
             "duration_s": opts.duration_s,
@@ -189,15 +211,15 @@ def run_point(
         },
         "notes": describe_options(opts, trace),
         **summarize(records),
-        "server_metrics": counters,
-        **(extra or {}),
     }
-    append_jsonl(Path(args.out), [result])
-    append_jsonl(
-        requests_path(args),
-        [{"run_id": run_id, "label": label, "rps": result["rps"], **r.to_json()} for r in records],
-    )
-    return result
+
+
+def append_requests(
+    args: argparse.Namespace, result: dict, records: Sequence[RequestRecord]
+) -> None:
+    """Append one line per request (tagged with the run) to the per-request file."""
+    tag = {"run_id": result["run_id"], "label": result["label"], "rps": result["rps"]}
+    append_jsonl(requests_path(args), [{**tag, **r.to_json()} for r in records])
 
 
 def one_line(result: dict) -> str:

@@ -27,6 +27,7 @@ import heapq
 import json
 import math
 import random
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -49,7 +50,7 @@ POOL_SIZE = 512
 MAX_POOL_DEPTH = 16
 
 
-class AcceptanceModel:
+class AcceptanceModel(ABC):
     """Draws child probabilities and which child is right, by depth."""
 
     name = "?"
@@ -75,12 +76,13 @@ class AcceptanceModel:
             pools[key] = pool
         return pool[rng.randrange(POOL_SIZE)]
 
+    @abstractmethod
     def child_probs(self, depth: int, n: int, rng: random.Random) -> list[float]:
         """q of the n most probable children at `depth`, descending, summing to <= 1."""
-        raise NotImplementedError
 
+    @abstractmethod
     def p_correct(self, depth: int, q: float) -> float:
-        raise NotImplementedError
+        """P(a child at `depth` with draft probability q is the target's token)."""
 
     def expected_acceptance(self, depth: int, rng: random.Random, samples: int = 2000) -> float:
         """P(the top child at `depth` is right), by sampling (reports and tests)."""

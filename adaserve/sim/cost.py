@@ -18,6 +18,7 @@ kernels reach of the peaks; the per-layer overhead for kernel launches with CUDA
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,14 +90,15 @@ MODELS = {
 }
 
 
-class CostModel:
+class CostModel(ABC):
     """Seconds of one forward; `kv_tokens` is how many tokens of KV the deployment holds."""
 
     name = "?"
     kv_tokens: int | None = None
 
+    @abstractmethod
     def seconds(self, tokens: int, context: int, pairs: int) -> float:
-        raise NotImplementedError
+        """One forward of `tokens` new tokens reading `context` cached entries."""
 
     def curve(self, tokens: int, context_per_seq: int, num_seqs: int) -> float:
         """A forward of `tokens` spread over `num_seqs` sequences of `context_per_seq` each."""

@@ -23,16 +23,16 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from adaserve.bench.report import RequestRecord, format_table, summarize
-from adaserve.bench.trace import BenchRequest, describe_options, mean_rate, prepare
+from adaserve.bench.report import RequestRecord, format_table
+from adaserve.bench.trace import BenchRequest, prepare
 from adaserve.bench.workload import (
-    RESULT_VERSION,
     add_workload_arguments,
     append_jsonl,
+    append_requests,
     load_results,
     load_trace_arg,
     one_line,
-    requests_path,
+    result_line,
     trace_options,
 )
 from adaserve.config import POLICIES, CacheConfig, SchedulerConfig
@@ -323,20 +323,9 @@ def run(a: argparse.Namespace) -> int:
         for policy, setup in setups.items():
             label = f"{policy}{a.label_suffix}"
             sim = simulate(reqs, setup, progress=not a.no_progress, desc=f"{label} @ {rps}")
-            result = _result(a, trace, opts, reqs, rps, label, sim, setup)
+            result = _result(a, trace, reqs, rps, label, sim, setup)
             append_jsonl(Path(a.out), [result])
-            append_jsonl(
-                requests_path(a),
-                [
-                    {
-                        "run_id": result["run_id"],
-                        "label": label,
-                        "rps": result["rps"],
-                        **r.to_json(),
-                    }
-                    for r in sim.records
-                ],
-            )
+            append_requests(a, result, sim.records)
             print(f"{one_line(result)} ({sim.wall_s:.1f} s to simulate)", flush=True)
             results.append(result)
     if len(results) > 1:
@@ -349,45 +338,25 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
-def _result(a, trace, opts, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
+def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    offered = mean_rate([r.send_time_s for r in reqs])
-    native = mean_rate([r.emission_time_ms / 1000.0 for r in trace])
-    return {
-        "version": RESULT_VERSION,
-        "run_id": f"{label}-rps{rps if rps is not None else 'trace'}-{started}",
-        "label": label,
-        "url": None,
-        "model": setup.cost.target.name,
-        "trace": str(a.trace),
-        "started_at": started,
-        "rps": rps if rps is not None else offered,
-        "offered_rps": offered,
-        "trace_rps": native,
-        "options": {
-            "rps": opts.rps,
-            "duration_s": opts.duration_s,
-            "max_requests": opts.max_requests,
-            "output_length": opts.output_length,
-            "baseline_latency_ms": opts.baseline_latency_ms,
-            "slo_scale": opts.slo_scale,
-        },
-        "notes": describe_options(opts, trace),
-        **summarize(sim.records),
-        "server_metrics": sim.counters(),
-        "simulation": {
-            "cost_model": setup.cost.target.name,
-            "draft_cost_model": setup.cost.draft.name if setup.cost.draft else None,
-            "acceptance": setup.acceptance.name if setup.acceptance else None,
-            "drafter": sim.drafter,
-            "budget": setup.sched.budget,
-            "num_blocks": sim.num_blocks,
-            "max_blocks_used": sim.max_blocks_used,
-            "seed": setup.seed,
-            "host_time": setup.host_time,
-            "wall_s": sim.wall_s,
-        },
+    result = result_line(
+        a, trace, reqs, rps, label, None, setup.cost.target.name, sim.records, started
+    )
+    result["server_metrics"] = sim.counters()
+    result["simulation"] = {
+        "cost_model": setup.cost.target.name,
+        "draft_cost_model": setup.cost.draft.name if setup.cost.draft else None,
+        "acceptance": setup.acceptance.name if setup.acceptance else None,
+        "drafter": sim.drafter,
+        "budget": setup.sched.budget,
+        "num_blocks": sim.num_blocks,
+        "max_blocks_used": sim.max_blocks_used,
+        "seed": setup.seed,
+        "host_time": setup.host_time,
+        "wall_s": sim.wall_s,
     }
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:
