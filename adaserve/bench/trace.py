@@ -142,11 +142,13 @@ def rescale_rps(times_s: Sequence[float], rps: float) -> list[float]:
 
     Inter-arrival gaps keep their proportions (bursts stay bursts), so only the rate changes.
     """
-    rate = mean_rate(times_s)
-    if rate is None:  # one request, or all at once: there is no pattern to stretch
+    if mean_rate(times_s) is None:  # one request, or all at once: no pattern to stretch
         return [0.0 for _ in times_s]
-    factor = rate / rps
-    return [(t - times_s[0]) * factor for t in times_s]
+    # Each time as its fraction of the span, times the new span: a span so short that the
+    # rate overflows to inf (hypothesis found one) must not turn 0 x inf into NaN.
+    first, span = times_s[0], times_s[-1] - times_s[0]
+    new_span = (len(times_s) - 1) / rps
+    return [(t - first) / span * new_span for t in times_s]
 
 
 def resolve_slo_ms(req: TraceRequest, opts: TraceOptions) -> float | None:
