@@ -8,7 +8,6 @@ It is not thread-safe: one thread owns it (the server puts it in its own thread)
 from __future__ import annotations
 
 import itertools
-import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
 
@@ -75,7 +74,8 @@ class LLMEngine:
             ids,
             params,
             prompt=prompt if isinstance(prompt, str) else None,
-            arrival_time=arrival_time,
+            # Arrivals, token times and deadlines all on the clock the scheduler reads.
+            arrival_time=arrival_time if arrival_time is not None else self.engine.clock(),
             default_seed=self.model_cfg.seed,
         )
         self.scheduler.add(req)
@@ -140,7 +140,7 @@ class LLM:
         if len(plist) != len(prompts):
             raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
         eng = self.llm_engine
-        now = time.monotonic()
+        now = eng.engine.clock()
         reqs: list[Request] = []
         try:
             for p, sp in zip(prompts, plist):

@@ -14,10 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from adaserve.bench import sweep
-from adaserve.bench.report import format_table
 from adaserve.bench.workload import (
     add_workload_arguments,
-    load_results,
+    finish_report,
     load_trace_arg,
     one_line,
     run_point,
@@ -61,14 +60,7 @@ def run(args: argparse.Namespace) -> int:
         result = run_point(args, args.url.rstrip("/"), trace, rps, args.label, args.model)
         print(one_line(result), flush=True)
         results.append(result)
-    if len(results) > 1:
-        print(format_table(results))
-    print(f"results appended to {args.out}", file=sys.stderr)
-    if args.plot:
-        from adaserve.bench.plot import plot_results
-
-        # The whole results file: runs of other servers or policies become other lines.
-        print(f"wrote {plot_results(load_results(args.out), args.plot)}", file=sys.stderr)
+    finish_report(args, results)
     return 0 if any(r["completed"] for r in results) else 1
 
 

@@ -10,11 +10,12 @@ import argparse
 import asyncio
 import datetime
 import json
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from adaserve.bench.replay import DEFAULT_REQUEST_TIMEOUT_S, replay
-from adaserve.bench.report import RequestRecord, summarize
+from adaserve.bench.report import RequestRecord, format_table, summarize
 from adaserve.bench.trace import (
     BenchRequest,
     TraceOptions,
@@ -137,6 +138,28 @@ def append_jsonl(path: Path, rows: Sequence[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def prepare_point(
+    args: argparse.Namespace, trace: Sequence[TraceRequest], rps: float | None
+) -> list[BenchRequest]:
+    """The requests of one point (the trace cut and rescaled by the flags); never empty."""
+    reqs = prepare(trace, trace_options(args, rps))
+    if not reqs:
+        raise ValueError("no request is left after --duration/--max-requests; loosen them")
+    return reqs
+
+
+def finish_report(args: argparse.Namespace, results: Sequence[dict]) -> None:
+    """After the points: the table (several points), where results went, the plot."""
+    if len(results) > 1:
+        print(format_table(results))
+    print(f"results appended to {args.out}", file=sys.stderr)
+    if args.plot:
+        from adaserve.bench.plot import plot_results
+
+        # The whole results file: runs of other servers or policies become other lines.
+        print(f"wrote {plot_results(load_results(args.out), args.plot)}", file=sys.stderr)
+
+
 def run_point(
     args: argparse.Namespace,
     url: str,
@@ -147,10 +170,7 @@ def run_point(
     extra: dict | None = None,
 ) -> dict:
     """Replay the trace once at `rps`, append its result (and its requests); returns the result."""
-    opts = trace_options(args, rps)
-    reqs = prepare(trace, opts)
-    if not reqs:
-        raise ValueError("no request is left after --duration/--max-requests; loosen them")
+    reqs = prepare_point(args, trace, rps)
     offered = mean_rate([r.send_time_s for r in reqs])
     desc = f"{label or 'bench'} @ {rps if rps is not None else offered or 0:.3g} rps"
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")

@@ -23,17 +23,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from adaserve.bench.report import RequestRecord, format_table
-from adaserve.bench.trace import BenchRequest, prepare
+from adaserve.bench.report import RequestRecord
+from adaserve.bench.trace import BenchRequest
 from adaserve.bench.workload import (
     add_workload_arguments,
     append_jsonl,
     append_requests,
-    load_results,
+    finish_report,
     load_trace_arg,
     one_line,
+    prepare_point,
     result_line,
-    trace_options,
 )
 from adaserve.config import POLICIES, CacheConfig, SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
@@ -316,10 +316,7 @@ def run(a: argparse.Namespace) -> int:
     )
     results = []
     for rps in a.rps or [None]:
-        opts = trace_options(a, rps)
-        reqs = prepare(trace, opts)
-        if not reqs:
-            raise ValueError("no request is left after --duration/--max-requests; loosen them")
+        reqs = prepare_point(a, trace, rps)
         for policy, setup in setups.items():
             label = f"{policy}{a.label_suffix}"
             sim = simulate(reqs, setup, progress=not a.no_progress, desc=f"{label} @ {rps}")
@@ -328,13 +325,7 @@ def run(a: argparse.Namespace) -> int:
             append_requests(a, result, sim.records)
             print(f"{one_line(result)} ({sim.wall_s:.1f} s to simulate)", flush=True)
             results.append(result)
-    if len(results) > 1:
-        print(format_table(results))
-    print(f"results appended to {a.out}", file=sys.stderr)
-    if a.plot:
-        from adaserve.bench.plot import plot_results
-
-        print(f"wrote {plot_results(load_results(a.out), a.plot)}", file=sys.stderr)
+    finish_report(a, results)
     return 0
 
 

@@ -3,8 +3,6 @@ pull chunks forward; the chunk-sizing rule on its own."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from adaserve import LLMEngine, SamplingParams
@@ -13,6 +11,7 @@ from adaserve.request_manager.prefill import chunk_tokens, largest_chunk, ttft_c
 from adaserve.request_manager.request import Request
 from tests.conftest import make_tiny_checkpoint
 from tests.request_manager.test_speculative import run
+from tests.virtual_time import slow_forwards
 
 
 def engine(target, policy: str, chunked: bool, num_blocks: int = 512, **sched) -> LLMEngine:
@@ -65,17 +64,8 @@ def test_preemption_in_the_middle_of_a_prefill_recomputes_it(target):
 
 
 def slowed(e: LLMEngine, per_token_s: float, fixed_s: float) -> LLMEngine:
-    """A target whose forward costs fixed_s + per_token_s x tokens (a controlled cost)."""
-    runner = e.engine.target
-    real = runner._forward
-
-    def forward(batch):
-        time.sleep(fixed_s + per_token_s * len(batch.token_ids))
-        return real(batch)
-
-    runner._forward = forward
-    e.apply_profile(e.sched_cfg.budget, e.sched_cfg.t_spec_init_s)  # re-measure the costs
-    return e
+    """A target whose forward costs fixed_s + per_token_s x tokens more (on the engine clock)."""
+    return slow_forwards(e, lambda n: fixed_s + per_token_s * n)
 
 
 @pytest.mark.parametrize("chunked", [True, False])

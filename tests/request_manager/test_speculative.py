@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 from collections import Counter
 
 import pytest
@@ -14,6 +13,7 @@ from adaserve import LLMEngine, SamplingParams
 from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from tests.conftest import make_tiny_checkpoint
 from tests.stats import chi_square
+from tests.virtual_time import slow_forwards
 
 BUDGETED = ("adaserve", "adaserve_paper", "global_greedy", "equal_greedy")
 
@@ -140,22 +140,12 @@ def test_default_target_with_a_four_layer_draft_is_lossless(default_model_dir, t
 
 
 def slow_target(engine: LLMEngine, seconds: float) -> LLMEngine:
-    """Make every target forward take `seconds` more, whatever its size, then re-measure costs.
+    """Make every target forward take `seconds` more, whatever its size (on the engine clock).
 
     The regime of a large memory-bound target (a GPU verifying 1 or 16 tokens in the same
     time) next to a cheap draft: there speculation pays and control must keep it on.
     """
-    runner = engine.engine.target
-    real = runner._forward
-
-    def slowed(batch):
-        time.sleep(seconds)
-        return real(batch)
-
-    runner._forward = slowed
-    cfg = engine.sched_cfg
-    engine.apply_profile(cfg.budget, cfg.t_spec_init_s)  # a new scheduler measures the costs
-    return engine
+    return slow_forwards(engine, lambda n: seconds)
 
 
 @pytest.mark.parametrize(

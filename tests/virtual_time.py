@@ -1,0 +1,36 @@
+"""A target whose forwards cost a chosen time, on the engine's clock instead of by sleeping."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from adaserve import LLMEngine
+from adaserve.sim.engine import VirtualClock
+
+
+def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngine:
+    """Every target forward of n tokens (padding included) takes `extra_s(n)` seconds more.
+
+    The engine's clock becomes a VirtualClock that counts the real host time plus the added
+    seconds, so the scheduler sees the slow target (TPOT, deadlines, its cost model) while
+    the test does not wait for it. The start-up cost curve includes the added time too, as it
+    would when measured on such a target; then a fresh scheduler takes over.
+    """
+    clock = VirtualClock(host_time=True)
+    engine.engine.clock = clock
+    runner = engine.engine.target
+    real_forward, real_points = runner._forward, runner.cost_points
+
+    def forward(batch):
+        out = real_forward(batch)
+        clock.advance(extra_s(len(batch.token_ids)))
+        return out
+
+    def cost_points(max_tokens: int) -> list[tuple[int, int, float]]:
+        return [(n, c, s + extra_s(n)) for n, c, s in real_points(max_tokens)]
+
+    runner._forward = forward
+    runner.cost_points = cost_points
+    cfg = engine.sched_cfg
+    engine.apply_profile(cfg.budget, cfg.t_spec_init_s)
+    return engine
