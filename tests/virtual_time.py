@@ -11,12 +11,13 @@ from adaserve.sim.engine import VirtualClock
 def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngine:
     """Every target forward of n tokens (padding included) takes `extra_s(n)` seconds more.
 
-    The engine's clock becomes a VirtualClock that counts the real host time plus the added
-    seconds, so the scheduler sees the slow target (TPOT, deadlines, its cost model) while
-    the test does not wait for it. The start-up cost curve includes the added time too, as it
-    would when measured on such a target; then a fresh scheduler takes over.
+    The engine's clock becomes a VirtualClock that counts only the added seconds, so the
+    scheduler sees the slow target (TPOT, deadlines, its cost model) while the test neither
+    waits for it nor depends on how fast the machine running it is (a CI machine's host time
+    varies run to run). The start-up cost curve is the added time too, as it would be when
+    measured on such a target; then a fresh scheduler takes over.
     """
-    clock = VirtualClock(host_time=True)
+    clock = VirtualClock(host_time=False)
     engine.engine.clock = clock
     runner = engine.engine.target
     real_forward, real_points = runner._forward, runner.cost_points
@@ -27,7 +28,7 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
         return out
 
     def cost_points(max_tokens: int) -> list[tuple[int, int, float]]:
-        return [(n, c, s + extra_s(n)) for n, c, s in real_points(max_tokens)]
+        return [(n, c, extra_s(n)) for n, c, _ in real_points(max_tokens)]
 
     runner._forward = forward
     runner.cost_points = cost_points

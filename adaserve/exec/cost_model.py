@@ -100,7 +100,13 @@ class ForwardCostModel:
     # ---- data in -------------------------------------------------------------------------
 
     def _add(self, tokens: int, context: int, seconds: float, weight: float, decay: float) -> None:
-        k = bucket_of(tokens)
+        self._add_at(bucket_of(tokens), context, seconds, weight, decay)
+
+    def _add_scaled(self, k: int, context: float, seconds: float, weight: float) -> None:
+        """One observation expressed as a bucket-k sample of the given weight (it decays)."""
+        self._add_at(k, context, seconds, weight, decay=self.forget)
+
+    def _add_at(self, k: int, context: float, seconds: float, weight: float, decay: float) -> None:
         x = context / _CONTEXT_SCALE
         s = self._stats.setdefault(k, [0.0] * 5)
         for i, term in enumerate((1.0, x, x * x, seconds, x * seconds)):
@@ -132,6 +138,20 @@ class ForwardCostModel:
         self._streak[k] = 0
         self._counts[k] = self._counts.get(k, 0) + 1
         self.num_observations += 1
+        lo = k // 2
+        if k != tokens and lo in self._stats:
+            # predict() interpolates g between buckets lo and k, so this sample says
+            #   (1 - f) g(lo) + f g(k) + a c = y,   f = (tokens - lo) / (k - lo)
+            # With g(lo) at its current fit that is g(k) + a (c / f) = (y - (1 - f) g(lo)) / f,
+            # with weight f^2 (the exact least-squares term). Taking the sample as g(k) itself
+            # would price every forward of 33-63 tokens at 64's cost, and so pull g(64) down
+            # to the smaller forwards' times.
+            f = (tokens - lo) / (k - lo)
+            if self._dirty:
+                self._solve()
+            target = (seconds - (1.0 - f) * self._g(lo)) / f
+            self._add_scaled(k, context / f, target, f * f)
+            return True
         self._add(tokens, context, float(seconds), 1.0, decay=self.forget)
         return True
 

@@ -132,6 +132,20 @@ def test_seeds_hold_for_unobserved_buckets_and_interpolation_fills_gaps():
     assert falling.predict(64, 0) == pytest.approx(0.05), "extrapolated with a negative slope"
 
 
+def test_forwards_between_two_buckets_do_not_drag_the_upper_bucket_down():
+    """A 45-token forward is priced between g(32) and g(64); observing it must not be taken
+    for a 64-token forward (chunked prefill sends such sizes every iteration)."""
+    true = lambda n: 0.02 + 0.001 * n  # noqa: E731
+    model = ForwardCostModel()
+    model.seed([(n, 0, true(n)) for n in (1, 2, 4, 8, 16, 32, 64)])
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(33, 63)
+        model.observe(n, 0, true(n) * rng.uniform(0.99, 1.01))
+    for n in (33, 41, 45, 63, 64):
+        assert model.predict(n, 0) == pytest.approx(true(n), rel=0.03), f"{n} tokens mispriced"
+
+
 def test_json_round_trip():
     model = ForwardCostModel()
     sample(model, random.Random(4), 1000)
