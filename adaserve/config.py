@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # `adaserve` is AdaServe with speculation control (calibrated f(v), a measured cost model, no
 # tree that costs more than it yields); `adaserve_paper` is Algorithm 2 exactly as published.
@@ -17,8 +18,9 @@ POLICIES = (
     "incremental",
 )
 DTYPES = ("float32", "bfloat16", "float16")
-# auto: a draft model when one is named, else the suffix index (every model speculates).
-DRAFTERS = ("auto", "model", "suffix", "model+suffix")
+# auto: the named draft (a draft model, or an EAGLE head: drafter "eagle"), else the suffix
+# index (every model speculates).
+DRAFTERS = ("auto", "model", "eagle", "suffix", "model+suffix", "eagle+suffix")
 
 
 @dataclass(frozen=True)
@@ -63,9 +65,14 @@ class ModelConfig:
 
     @property
     def resolved_drafter(self) -> str:
-        """The drafter that runs: `auto` means a draft model when one is named, else suffix."""
+        """The drafter that runs: `auto` means the named draft (a model or an EAGLE head),
+        else suffix."""
         if self.drafter == "auto":
-            return "model" if self.draft_model is not None else "suffix"
+            if self.draft_model is None:
+                return "suffix"
+            from adaserve.exec.model.eagle import is_eagle_head
+
+            return "eagle" if is_eagle_head(Path(self.draft_model).expanduser()) else "model"
         return self.drafter
 
 

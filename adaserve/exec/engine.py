@@ -25,6 +25,7 @@ from adaserve.exec.loader import (
     load_tokenizer,
     resolve_model_path,
 )
+from adaserve.exec.model.eagle import EagleHead, is_eagle_head, load_eagle_head
 from adaserve.exec.model.llama import LlamaForCausalLM
 from adaserve.exec.prefix_cache import PrefixCache
 
@@ -44,6 +45,8 @@ class ForwardBatch:
     masks: list[torch.Tensor | None]
     # Flat indices of tokens whose logits are wanted (None: every token).
     logits_indices: list[int] | None = None
+    # An EAGLE head's input features, one row per token [T, hidden] (None: zeros).
+    features: torch.Tensor | None = None
 
     def metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.query_lens, self.kv_lens, self.block_tables, self.masks)
@@ -91,6 +94,10 @@ class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend) -> None:
         self.model, self.cache, self.backend = model, cache, backend
         self.device = cache.device
+        # When set, every forward keeps its final hidden states [T, hidden] (flat, padding
+        # rows last) in `last_hidden`: what an EAGLE head drafts from.
+        self.capture_hidden = False
+        self.last_hidden: torch.Tensor | None = None
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pad_to: int | None = None) -> torch.Tensor | None:
@@ -124,6 +131,7 @@ class ModelRunner:
                 list(range(len(batch.token_ids)))
                 if batch.logits_indices is None
                 else batch.logits_indices,
+                batch.features,
             )
             return self._forward(padded)
         finally:
@@ -141,6 +149,30 @@ class ModelRunner:
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
         hidden = self.model(ids, pos, self.backend)  # [T, hidden]
+        if self.capture_hidden:
+            self.last_hidden = hidden
+        if batch.logits_indices is None:
+            return self.model.compute_logits(hidden)
+        if not batch.logits_indices:
+            return None
+        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
+        return self.model.compute_logits(hidden[idx])
+
+
+class EagleRunner(ModelRunner):
+    """An EAGLE head (`exec/model/eagle.py`) with its own KV cache; reads batch.features."""
+
+    model: EagleHead  # type: ignore[assignment]
+
+    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        self.backend.plan(batch.metadata())
+        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
+        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+        feats = torch.zeros(len(ids), self.model.args.hidden_size, device=self.device)
+        if batch.features is not None:  # padding rows (and profiling) read zeros
+            feats[: len(batch.features)] = batch.features
+        hidden = self.model(ids, pos, self.backend, feats)
+        self.last_hidden = hidden
         if batch.logits_indices is None:
             return self.model.compute_logits(hidden)
         if not batch.logits_indices:
@@ -191,6 +223,24 @@ def _build_runner(
     return ModelRunner(model, cache, backend)
 
 
+def _build_head_runner(
+    path: Path, target: ModelRunner, model_cfg: ModelConfig, num_blocks: int, cache_cfg: CacheConfig
+) -> EagleRunner:
+    head = load_eagle_head(path, target.model)
+    a = head.args
+    cache = KVCache(
+        1,
+        num_blocks,
+        cache_cfg.block_size,
+        a.num_kv_heads,
+        a.head_dim,
+        target.cache.k.dtype,
+        target.cache.device,
+    )
+    backend = _make_backend(model_cfg.attention_backend, cache, a.num_heads)
+    return EagleRunner(head, cache, backend)  # type: ignore[arg-type]
+
+
 class ExecutionEngine:
     """Target runner, optional draft runner, tokenizer and the model-length limit.
 
@@ -215,9 +265,15 @@ class ExecutionEngine:
                 self.draft_path = default_draft_dir(self.target_path)
             else:
                 self.draft_path = resolve_model_path(model_cfg.draft_model)
-            check_draft_compatible(self.target_path, self.draft_path)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
-            self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
+            if is_eagle_head(self.draft_path):
+                self.draft = _build_head_runner(
+                    self.draft_path, self.target, model_cfg, draft_blocks, cache_cfg
+                )
+                self.target.capture_hidden = True  # the head drafts from the target's features
+            else:
+                check_draft_compatible(self.target_path, self.draft_path)
+                self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
             k = model_cfg.draft_vocab_size
             vocab = self.draft.model.args.vocab_size
             if k is not None and k < vocab:
@@ -228,7 +284,8 @@ class ExecutionEngine:
         self.draft_prefix: PrefixCache | None = None
         if cache_cfg.enable_prefix_caching:
             self.target_prefix = PrefixCache(self.target.cache)
-            if self.draft is not None:
+            if self.draft is not None and not self.draft_is_head:
+                # A head's KV depends on the target's features, not on tokens alone.
                 self.draft_prefix = PrefixCache(self.draft.cache)
         args = self.target.model.args
         limit = args.max_position_embeddings
@@ -241,6 +298,11 @@ class ExecutionEngine:
             )
         self.max_model_len = model_cfg.max_model_len or limit
         self.vocab_size = args.vocab_size
+
+    @property
+    def draft_is_head(self) -> bool:
+        """The draft is an EAGLE head: it needs the target's features, not just tokens."""
+        return isinstance(self.draft, EagleRunner)
 
     def enable_draft_graphs(self, max_num_seqs: int, max_width: int) -> None:
         """Replay draft steps 2..d from CUDA graphs, if the draft's backend supports them."""

@@ -294,10 +294,11 @@ class Scheduler:
         """One target forward over the trees and the chunks (and the draft over the chunks)."""
         cache = self.engine.target.cache
         builder = SequenceBatchBuilder()
-        vtrees, rows = [], []
+        vtrees, rows, flat = [], [], []  # flat: each sequence's first token in the batch
         for r, tree, sel in zip(decoding, plan.trees, plan.selections):
             vt = build_verify_tree(tree, sel)
             n = len(vt.tokens)
+            flat.append(len(builder.batch.token_ids))
             cache.reserve(r.block_table, r.num_cached + n)
             mask = None if n == 1 else tree_attention_mask(vt.parents, r.num_cached)
             rows.append(
@@ -315,6 +316,7 @@ class Scheduler:
         for r, n in chunks:
             start, end = r.num_cached, r.num_cached + n
             last = end == prefill_target(r) and not r.output_token_ids  # first token sampled
+            flat.append(len(builder.batch.token_ids))
             idx = builder.add(
                 r.all_token_ids[start:end],
                 list(range(start, end)),
@@ -339,13 +341,14 @@ class Scheduler:
                 pad_to, context + sum(r.num_cached for r, _ in chunks), now - t_forward
             )
         self._draft_prefill(chunks)
-        self._commit_trees(decoding, plan, vtrees, rows, logits, stats, now)
+        self._chunk_features(chunks, flat)
+        self._commit_trees(decoding, plan, vtrees, rows, logits, stats, now, flat)
         return self._commit_chunks(chunks, chunk_rows, logits, stats, now) + decoding
 
     def _draft_prefill(self, chunks: list[tuple[Request, int]]) -> None:
         """The draft model computes the same prompt tokens into its own KV."""
         d = self.engine.draft
-        if d is None or not chunks:
+        if d is None or not chunks or self.engine.draft_is_head:
             return
         builder = SequenceBatchBuilder()
         for r, n in chunks:
@@ -367,9 +370,21 @@ class Scheduler:
                     r.draft_block_table, r.all_token_ids, r.draft_num_cached, r.draft_block_hashes
                 )
 
-    def _commit_trees(self, decoding, plan, vtrees, rows, logits, stats, now) -> None:
+    def _chunk_features(self, chunks, flat: list[int]) -> None:
+        """A feature-reading drafter (EAGLE) gets the target's hidden states of every prompt
+        token prefilled now (the roots and accepted nodes: `_commit_trees`)."""
+        d = self.drafter
+        if d is None or not d.wants_features or not chunks:
+            return
+        hidden = self.engine.target.last_hidden
+        assert hidden is not None
+        for (r, n), start in zip(chunks, flat[-len(chunks) :]):
+            d.observe_features(r, r.num_cached, hidden[start : start + n])
+
+    def _commit_trees(self, decoding, plan, vtrees, rows, logits, stats, now, flat) -> None:
         cache, ctl, prefix = self.engine.target.cache, self.controller, self.engine.target_prefix
-        for r, tree, vt, row in zip(decoding, plan.trees, vtrees, rows):
+        features = self.drafter is not None and self.drafter.wants_features
+        for r, tree, vt, row, start in zip(decoding, plan.trees, vtrees, rows, flat):
             p = r.params
             accepted, bonus = verify(
                 logits[row[0] : row[-1] + 1],
@@ -387,6 +402,10 @@ class Scheduler:
                 if self.acceptance_log is not None:
                     self.acceptance_log.record(tree, vt.source_nodes, taken)
             keep = [0] + accepted
+            if features:  # the root's and accepted nodes' hidden states, in path order
+                hidden = self.engine.target.last_hidden
+                assert hidden is not None and self.drafter is not None
+                self.drafter.observe_features(r, r.num_cached, hidden[[start + v for v in keep]])
             cache.keep_subset(r.block_table, r.num_cached, keep)
             r.num_cached += len(keep)
             emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], now)

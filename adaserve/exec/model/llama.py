@@ -9,7 +9,7 @@ and gate/up are stacked into one matmul each at load time.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -247,59 +247,74 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up; raise if anything is missing."""
-        params = dict(self.named_parameters())
-        stacked = {
-            "q_proj": ("qkv_proj", 0),
-            "k_proj": ("qkv_proj", 1),
-            "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0),
-            "up_proj": ("gate_up_proj", 1),
-        }
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
-            if "rotary_emb" in name:
-                continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: some checkpoints store the copy anyway
-            for hf_part, (ours, shard) in stacked.items():
-                if f".{hf_part}." in name:
-                    target = name.replace(hf_part, ours)
-                    self._load_shard(params[target], tensor, ours, shard)
-                    loaded.add(f"{target}#{shard}")
-                    break
-            else:
-                if name not in params:
+        tied = self.lm_head is None
+        # Tied: some checkpoints store the lm_head copy anyway.
+        load_hf_weights(self, self.args, weights, lambda n: tied and n == "lm_head.weight")
+
+
+_STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def load_hf_weights(
+    module: nn.Module,
+    args: LlamaArgs,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    skip: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Load HF-named tensors into `module` (names without "model."), stacking q/k/v and
+    gate/up as our layers do; tensors `skip` names are ignored; raise if anything is missing."""
+    params = dict(module.named_parameters())
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        name = name.removeprefix("model.")
+        if "rotary_emb" in name or skip(name):
+            continue
+        for hf_part, (ours, shard) in _STACKED.items():
+            if f".{hf_part}." in name:
+                target = name.replace(hf_part, ours)
+                if target not in params:
                     raise ValueError(f"checkpoint has unexpected tensor {name!r}")
-                _copy_checked(params[name], tensor, name)
-                loaded.add(name)
-        missing = [n for n in self._expected_keys() if n not in loaded]
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
-
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, kind: str, shard: int) -> None:
-        a = self.args
-        if kind == "qkv_proj":
-            sizes = [
-                a.num_heads * a.head_dim,
-                a.num_kv_heads * a.head_dim,
-                a.num_kv_heads * a.head_dim,
-            ]
+                _load_shard(args, params[target], tensor, ours, shard)
+                loaded.add(f"{target}#{shard}")
+                break
         else:
-            sizes = [a.intermediate_size, a.intermediate_size]
-        start = sum(sizes[:shard])
-        _copy_checked(param.data[start : start + sizes[shard]], tensor, f"{kind}[{shard}]")
+            if name not in params:
+                raise ValueError(f"checkpoint has unexpected tensor {name!r}")
+            _copy_checked(params[name], tensor, name)
+            loaded.add(name)
+    missing = [n for n in _expected_keys(module) if n not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
 
-    def _expected_keys(self) -> list[str]:
-        keys = []
-        for name, _ in self.named_parameters():
-            if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
-                keys += [f"{name}#{i}" for i in range(3)]
-            elif name.endswith("gate_up_proj.weight"):
-                keys += [f"{name}#{i}" for i in range(2)]
-            else:
-                keys.append(name)
-        return keys
+
+def _load_shard(
+    args: LlamaArgs, param: nn.Parameter, tensor: torch.Tensor, kind: str, shard: int
+) -> None:
+    a = args
+    if kind == "qkv_proj":
+        sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+    else:
+        sizes = [a.intermediate_size, a.intermediate_size]
+    start = sum(sizes[:shard])
+    _copy_checked(param.data[start : start + sizes[shard]], tensor, f"{kind}[{shard}]")
+
+
+def _expected_keys(module: nn.Module) -> list[str]:
+    keys = []
+    for name, _ in module.named_parameters():
+        if name.endswith("qkv_proj.weight") or name.endswith("qkv_proj.bias"):
+            keys += [f"{name}#{i}" for i in range(3)]
+        elif name.endswith("gate_up_proj.weight"):
+            keys += [f"{name}#{i}" for i in range(2)]
+        else:
+            keys.append(name)
+    return keys
 
 
 def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

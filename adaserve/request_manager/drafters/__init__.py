@@ -14,8 +14,9 @@ __all__ = ["Drafter", "KeepGoing", "make_drafter"]
 
 
 def make_drafter(name: str, cfg: SchedulerConfig, engine: ExecutionEngine) -> Drafter:
-    """The drafter called `name` ("model", "suffix" or "model+suffix")."""
+    """The drafter called `name` ("model", "eagle", "suffix", or parts joined by "+")."""
     from adaserve.request_manager.drafters.combined import CombinedDrafter
+    from adaserve.request_manager.drafters.eagle import EagleDrafter
     from adaserve.request_manager.drafters.model import ModelDrafter
     from adaserve.request_manager.drafters.suffix import SuffixDrafter
 
@@ -23,9 +24,16 @@ def make_drafter(name: str, cfg: SchedulerConfig, engine: ExecutionEngine) -> Dr
         if part == "suffix":
             return SuffixDrafter(cfg)
         if part == "model":
-            if engine.draft is None:
+            if engine.draft is None or engine.draft_is_head:
                 raise ValueError(f"drafter {name!r} needs a draft model (draft_model=DIR)")
             return ModelDrafter(engine.draft, engine.draft_graphs)
+        if part == "eagle":
+            if not engine.draft_is_head:
+                raise ValueError(
+                    f"drafter {name!r} needs an EAGLE head (draft_model=HEAD_DIR, "
+                    "see docs/eagle.md)"
+                )
+            return EagleDrafter(engine.draft)  # type: ignore[arg-type]
         raise ValueError(f"unknown drafter {part!r}")
 
     parts = [build(p) for p in name.split("+")]

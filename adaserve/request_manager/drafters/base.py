@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from adaserve.tree import CandidateTree
 
 if TYPE_CHECKING:
+    import torch
+
     from adaserve.request_manager.policies import SpecShape
     from adaserve.request_manager.request import Request
 
@@ -28,6 +30,8 @@ class Drafter(ABC):
     name: str = "?"
     # True when proposing runs a model forward (then the controller weighs its cost).
     costly: bool = False
+    # True when the drafter reads the target's hidden states (observe_features).
+    wants_features: bool = False
 
     def scratch_tokens(self, shape: SpecShape) -> int:
         """Draft-KV entries beyond the committed tokens one request needs while proposing."""
@@ -38,6 +42,11 @@ class Drafter(ABC):
         self, requests: Sequence[Request], shape: SpecShape, keep_going: KeepGoing | None = None
     ) -> list[CandidateTree]:
         """One tree per request, rooted at its last committed token (root only: nothing)."""
+
+    def observe_features(self, request: Request, position: int, hidden: torch.Tensor) -> None:
+        """The target computed final hidden states `hidden` [n, H] for positions
+        position..position+n-1 of `request` (only called when `wants_features`)."""
+        return None
 
     def on_finish(self, request: Request) -> None:
         """A request finished normally (its text may serve later requests)."""

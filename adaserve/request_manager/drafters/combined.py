@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from adaserve.request_manager.drafters.base import Drafter, KeepGoing
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.request import Request
@@ -19,6 +21,7 @@ class CombinedDrafter(Drafter):
         self.parts = list(parts)
         self.name = "+".join(p.name for p in parts)
         self.costly = any(p.costly for p in parts)
+        self.wants_features = any(p.wants_features for p in parts)
 
     def scratch_tokens(self, shape: SpecShape) -> int:
         return max(p.scratch_tokens(shape) for p in self.parts)
@@ -31,6 +34,11 @@ class CombinedDrafter(Drafter):
             trees = part.propose(requests, shape, keep_going)
             merged = [merge_trees(a, b) for a, b in zip(merged, trees)]
         return merged
+
+    def observe_features(self, request: Request, position: int, hidden: torch.Tensor) -> None:
+        for p in self.parts:
+            if p.wants_features:
+                p.observe_features(request, position, hidden)
 
     def on_finish(self, request: Request) -> None:
         for p in self.parts:
