@@ -2,9 +2,10 @@
 
     adaserve distill [TARGET] [--phase all|generate|train|eval|export|assemble] [options]
 
-`all` runs generate, train and eval. `export` writes the draft's own tensors (not the embedding
-it shares with the target) to `--ship-file`, small enough for a repository; `assemble`
-rebuilds the draft dir `--out` from that file and the target.
+`all` runs generate, train and eval. `--method eagle` trains an EAGLE head on the target's
+hidden states instead of a standalone draft (docs/eagle.md). `export` writes the draft's own
+tensors (not the embedding it shares with the target) to `--ship-file`, small enough for a
+repository; `assemble` rebuilds the draft dir `--out` from that file and the target.
 
 Every phase resumes: finished data shards are not regenerated, training continues from its
 last checkpoint, so the same command can simply be run again after an interruption.
@@ -42,6 +43,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="target checkpoint dir or .gguf (default: SmolLM2-135M-Instruct)",
     )
     p.add_argument("--phase", choices=PHASES, default="all", help="which step to run")
+    p.add_argument(
+        "--method",
+        choices=("draft", "eagle"),
+        default="draft",
+        help="draft: a standalone draft model; eagle: a head on the target's hidden states "
+        "(default out: CACHE/models/TARGET_NAME-eagle)",
+    )
     p.add_argument(
         "--work-dir",
         default=None,
@@ -135,7 +143,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also train the (tied) embedding / LM head (default: frozen, shared with the target)",
     )
-    tr.add_argument("--epochs", type=float, default=t.epochs, help="passes over the training data")
+    tr.add_argument(
+        "--epochs", type=float, default=None, help=f"data passes (draft {t.epochs}, eagle 4)"
+    )
     tr.add_argument(
         "--max-steps", type=int, default=t.max_steps, help="optimizer steps (overrides --epochs)"
     )
@@ -145,7 +155,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tr.add_argument(
         "--grad-accum", type=int, default=t.grad_accum, help="micro-batches per optimizer step"
     )
-    tr.add_argument("--lr", type=float, default=t.lr, help="peak AdamW learning rate")
+    tr.add_argument(
+        "--lr", type=float, default=None, help=f"peak AdamW LR (draft {t.lr}, eagle 1e-3)"
+    )
     tr.add_argument(
         "--min-lr-ratio",
         type=float,
@@ -167,6 +179,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     tr.add_argument("--seed", type=int, default=t.seed, help="data order, sampling seeds, init")
 
     ev = p.add_argument_group("eval")
+    eg = p.add_argument_group("eagle (--method eagle)")
+    eg.add_argument(
+        "--ttt-steps", type=int, default=2, help="training-time-test unroll depth (1: EAGLE-1)"
+    )
+    eg.add_argument(
+        "--noise", type=float, default=0.05, help="feature noise, a fraction of the features' RMS"
+    )
+    eg.add_argument("--cls-weight", type=float, default=0.5, help="weight of the token loss")
+    eg.add_argument(
+        "--eagle-vocab", type=int, default=16384, help="draft vocabulary K of the head's LM head"
+    )
     ev.add_argument("--draft", default=None, help="evaluate this draft dir instead of --out")
     ev.add_argument(
         "--budget", type=int, default=8, help="adaserve token budget B for the speed check"
@@ -198,7 +221,8 @@ def run(a: argparse.Namespace) -> int:
 
     target = resolve_model_path(a.target)
     work = Path(a.work_dir) if a.work_dir else cache_root() / "distill" / target.name
-    out = Path(a.out) if a.out else cache_root() / "models" / f"{target.name}-draft-distilled"
+    suffix = "eagle" if a.method == "eagle" else "draft-distilled"
+    out = Path(a.out) if a.out else cache_root() / "models" / f"{target.name}-{suffix}"
     data_dir = Path(a.data_dir) if a.data_dir else work / "data"
     cuda = a.device.startswith("cuda")
     progress = not a.no_progress
@@ -240,16 +264,19 @@ def run(a: argparse.Namespace) -> int:
         if not generate_shards(target, data_dir, gcfg, progress=progress, time_limit_s=left()):
             print("distill: time limit reached while generating; run again to resume")
             return 0
-    if a.phase in ("all", "train"):
+    if a.phase in ("all", "train") and a.method == "eagle":
+        if not _train_eagle(a, target, data_dir, work, out, left(), progress):
+            return 0
+    elif a.phase in ("all", "train"):
         tcfg = TrainConfig(
             num_layers=a.draft_layers,
             init_layers=a.init_layers,
             freeze_embeddings=not a.train_embeddings,
-            epochs=a.epochs,
+            epochs=TrainConfig.epochs if a.epochs is None else a.epochs,
             max_steps=a.max_steps,
             batch_size=a.batch_size,
             grad_accum=a.grad_accum,
-            lr=a.lr,
+            lr=TrainConfig.lr if a.lr is None else a.lr,
             min_lr_ratio=a.min_lr_ratio,
             warmup_steps=a.warmup_steps,
             weight_decay=a.weight_decay,
@@ -289,6 +316,56 @@ def run(a: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         (work / "eval.json").write_text(json.dumps(report, indent=2))
     return 0
+
+
+def _train_eagle(a, target: Path, data_dir: Path, work: Path, out: Path, left, progress) -> bool:
+    """`--method eagle --phase train`; False when stopped early (run again to resume)."""
+    import torch
+
+    from adaserve.distill.data import load_sequences
+    from adaserve.distill.eagle import EagleConfig, load_or_compute_features, train_eagle
+    from adaserve.exec.draft_vocab import draft_vocab_ids
+    from adaserve.exec.loader import load_model
+
+    cfg = EagleConfig(
+        epochs=EagleConfig.epochs if a.epochs is None else a.epochs,
+        max_steps=a.max_steps,
+        batch_size=a.batch_size,
+        lr=EagleConfig.lr if a.lr is None else a.lr,
+        min_lr_ratio=a.min_lr_ratio,
+        warmup_steps=a.warmup_steps,
+        weight_decay=a.weight_decay,
+        max_len=a.max_len,
+        ttt_steps=a.ttt_steps,
+        noise=a.noise,
+        cls_weight=a.cls_weight,
+        vocab_size=a.eagle_vocab,
+        seed=a.seed,
+        save_every=a.save_every,
+        eval_every=a.eval_every,
+        device=a.device,
+    )
+    model = load_model(target)
+    vocab = None
+    if cfg.vocab_size < model.args.vocab_size:
+        ids = draft_vocab_ids(target.name, model.args.vocab_size, cfg.vocab_size, None)
+        vocab = torch.tensor(ids, dtype=torch.long)
+    data, held = load_sequences(data_dir, "train"), load_sequences(data_dir, "eval")
+    print(f"distill: {len(data)} training sequences, {data.num_tokens} tokens", file=sys.stderr)
+    with torch.no_grad():
+        feats = load_or_compute_features(model, data, work / "eagle-features-train.pt", a.max_len)
+        held_feats = load_or_compute_features(
+            model, held, work / "eagle-features-eval.pt", a.max_len
+        )
+    res = train_eagle(
+        model, vocab, data, feats, work, out, cfg, (held, held_feats), None, left, progress
+    )
+    if not res.finished:
+        print(f"distill: stopped at step {res.step}/{res.total_steps}; run again to resume")
+        return False
+    agree = ", ".join(f"{x:.3f}" for x in res.agreement or [])
+    print(f"distill: wrote {out} (held-out top-1 agreement at depth 1..4: {agree})")
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -226,7 +226,9 @@ def save_eagle_head(head: EagleHead, out_dir: Path, extra: dict | None = None) -
 
 def head_from_target(target: LlamaForCausalLM, init_layer: int | None = None) -> EagleHead:
     """A fresh head for `target`: its layer copied from target layer `init_layer` (None: the
-    last), fc initialised to pass the feature through (the target's own next-token guess)."""
+    last) with its two output projections zeroed and fc passing the feature through, so it
+    starts as f'_{t+1} = f_t and every update moves it from there (a residual-identity start:
+    a copied layer alone adds outputs sized for the target's residual stream, not for f)."""
     a = target.args
     args = LlamaArgs(**{**a.__dict__, "num_layers": 1})
     head = EagleHead(args).to(target.embed_tokens.weight.dtype)
@@ -238,5 +240,7 @@ def head_from_target(target: LlamaForCausalLM, init_layer: int | None = None) ->
         head.fc.weight.zero_()
         head.fc.weight[:, h:].copy_(torch.eye(h))
         head.fc.bias.zero_()
+        head.layers[0].self_attn.o_proj.weight.zero_()
+        head.layers[0].mlp.down_proj.weight.zero_()
     head.attach(target)
     return head
