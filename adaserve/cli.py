@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from adaserve.config import (
     DRAFTERS,
@@ -59,15 +60,17 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument(
         "--draft-model",
         default=m.draft_model,
-        help="draft checkpoint sharing the target's tokenizer (with --drafter model and the "
-        "default target and none given: a truncated copy of the target)",
+        help="draft checkpoint sharing the target's tokenizer, or an EAGLE head dir (with "
+        "the default target and none given: --drafter model takes a truncated copy of the "
+        "target, --drafter eagle the shipped head)",
     )
     p.add_argument(
         "--drafter",
         choices=DRAFTERS,
         default=m.drafter,
-        help="who proposes candidate trees: auto = the draft model if --draft-model is given, "
-        "else the suffix index over the prompt, output and recent traffic (default: auto)",
+        help="who proposes candidate trees: auto = the draft model or EAGLE head if "
+        "--draft-model is given, else the suffix index over the prompt, output and recent "
+        "traffic; eagle = an EAGLE head on the target's hidden states (default: auto)",
     )
     p.add_argument("--policy", choices=POLICIES, default=default_policy, help="scheduling policy")
     p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
@@ -186,8 +189,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=d.port, help="TCP port")
     p.add_argument(
         "--api-key",
-        default=d.api_key,
-        help="require 'Authorization: Bearer KEY' on /v1/* (default: none)",
+        action="append",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/*; repeat for several keys "
+        "(default: none)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        help="a file of accepted keys, one per line ('#' comments and blank lines ignored)",
+    )
+    p.add_argument(
+        "--protect-metrics",
+        action="store_true",
+        help="/metrics needs a key too (point Prometheus' authorization at one)",
     )
     p.add_argument(
         "--served-model-name",
@@ -228,12 +243,33 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def api_keys(keys: Sequence[str] | None, key_file: str | None) -> tuple[str, ...]:
+    """The accepted API keys from --api-key (repeatable) and --api-key-file."""
+    out = [k.strip() for k in keys or []]
+    if key_file is not None:
+        try:
+            lines = Path(key_file).expanduser().read_text().splitlines()
+        except OSError as e:
+            raise ValueError(f"--api-key-file {key_file}: {e.strerror or e}") from e
+        listed = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+        if not listed:
+            raise ValueError(f"--api-key-file {key_file} lists no key")
+        out += listed
+    bad = [k for k in out if not k or any(c.isspace() for c in k)]
+    if bad:
+        raise ValueError("an API key must be non-empty and contain no whitespace")
+    return tuple(dict.fromkeys(out))
+
+
 def run_serve(a: argparse.Namespace) -> int:
     from adaserve.api.server import serve
     from adaserve.llm import LLMEngine
 
     if a.max_waiting is not None and a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    keys = api_keys(a.api_key, a.api_key_file)  # a bad key file fails before the model loads
+    if a.protect_metrics and not keys:
+        raise ValueError("--protect-metrics needs --api-key or --api-key-file")
     logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
     log = logging.getLogger("adaserve")
@@ -264,7 +300,8 @@ def run_serve(a: argparse.Namespace) -> int:
     cfg = ServerConfig(
         host=a.host,
         port=a.port,
-        api_key=a.api_key,
+        api_keys=keys,
+        protect_metrics=a.protect_metrics,
         served_model_name=a.served_model_name,
         default_slo_tpot_ms=a.default_slo_tpot_ms,
         slo_classes=a.slo_classes,

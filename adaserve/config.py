@@ -217,7 +217,10 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    api_key: str | None = None
+    # Keys accepted in 'Authorization: Bearer KEY' (empty: no key needed). /health never
+    # needs one; /metrics only with protect_metrics.
+    api_keys: tuple[str, ...] = ()
+    protect_metrics: bool = False
     served_model_name: str | None = None
     default_slo_tpot_ms: float | None = None
     slo_classes: tuple[tuple[str, float], ...] = field(

@@ -25,7 +25,10 @@ class LLMEngine:
         self, model_cfg: ModelConfig, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig
     ) -> None:
         self.model_cfg, self.cache_cfg, self.sched_cfg = model_cfg, cache_cfg, sched_cfg
-        need_draft = sched_cfg.speculative and "model" in model_cfg.resolved_drafter
+        drafter = model_cfg.resolved_drafter
+        need_draft: bool | str = False
+        if sched_cfg.speculative and ("model" in drafter or "eagle" in drafter):
+            need_draft = "eagle" if "eagle" in drafter else "model"
         self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=need_draft)
         self.tokenizer = self.engine.tokenizer
         self.scheduler = Scheduler(sched_cfg, self.engine, model_cfg.resolved_drafter)

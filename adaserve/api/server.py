@@ -69,19 +69,23 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
 
+    keys = [k.encode() for k in cfg.api_keys]
+
     async def check_api_key(request: Request) -> None:
-        if cfg.api_key is None:
+        if not keys:
             return
         given = request.headers.get("authorization", "")
         scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), cfg.api_key.encode()
-        ):
+        sent = token.strip().encode()
+        # Compare against every key, each in constant time: neither which key nor how much
+        # of one matched shows in the response time.
+        matches = [hmac.compare_digest(sent, k) for k in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             metrics.rejected.labels("unauthorized").inc()
             raise APIError(
                 401,
                 "missing or wrong API key; send the header 'Authorization: "
-                "Bearer <key>' with the key the server was started with",
+                "Bearer <key>' with a key the server was started with",
                 code="invalid_api_key",
             )
 
@@ -122,7 +126,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
             }
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=auth if cfg.protect_metrics else [])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -85,7 +85,8 @@ def main() -> None:
     ap.add_argument(
         "--drafter",
         default="model",
-        help="model, suffix or model+suffix (model without --draft-model: the default draft)",
+        help="model, eagle, suffix, model+suffix or eagle+suffix (model or eagle without "
+        "--draft-model: the default draft or the shipped head)",
     )
     ap.add_argument(
         "--quantize-draft",

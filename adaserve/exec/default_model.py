@@ -112,3 +112,24 @@ def default_draft_dir(target_path: Path) -> Path:
     if not (out / "config.json").exists():
         make_layer_draft(target_path, DEFAULT_DRAFT_LAYERS, out)
     return out
+
+
+# The EAGLE head trained for the default target (`adaserve distill --method eagle`, see
+# docs/eagle.md), shipped in the package: its own tensors only, about 8 MiB.
+SHIPPED_HEAD = Path(__file__).parent / "heads" / f"{MODEL_NAME}-eagle"
+
+
+def shipped_head() -> Path | None:
+    """The shipped EAGLE head of the default target, if this installation has it."""
+    return SHIPPED_HEAD if (SHIPPED_HEAD / "config.json").exists() else None
+
+
+def default_head_dir(target_path: Path) -> Path:
+    """The EAGLE head used when drafter "eagle" is asked for and no head is named."""
+    head = shipped_head()
+    if head is None or target_path.resolve() != (cache_root() / "models" / MODEL_NAME).resolve():
+        raise ValueError(
+            "drafter 'eagle' needs --draft-model HEAD_DIR (an EAGLE head trained for this "
+            "target, see docs/eagle.md) unless the target is the default model"
+        )
+    return head

@@ -250,7 +250,11 @@ class ExecutionEngine:
 
     clock = staticmethod(time.monotonic)
 
-    def __init__(self, model_cfg: ModelConfig, cache_cfg: CacheConfig, need_draft: bool) -> None:
+    def __init__(
+        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, need_draft: bool | str
+    ) -> None:
+        """`need_draft`: load the default draft when none is named (True or "model"), or the
+        default target's shipped EAGLE head ("eagle")."""
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
         self.target = _build_runner(self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg)
@@ -260,9 +264,10 @@ class ExecutionEngine:
         self.draft_path: Path | None = None
         if model_cfg.draft_model is not None or need_draft:
             if model_cfg.draft_model is None:
-                from adaserve.exec.default_model import default_draft_dir
+                from adaserve.exec.default_model import default_draft_dir, default_head_dir
 
-                self.draft_path = default_draft_dir(self.target_path)
+                pick = default_head_dir if need_draft == "eagle" else default_draft_dir
+                self.draft_path = pick(self.target_path)
             else:
                 self.draft_path = resolve_model_path(model_cfg.draft_model)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))

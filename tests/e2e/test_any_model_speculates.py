@@ -43,3 +43,24 @@ def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(
     # The start-up profile went to the tests' own cache, never to the user's.
     assert conftest.REAL_CACHE is not None
     assert not list((conftest.REAL_CACHE / "profiles").glob("tiny*")), "a test wrote a profile"
+
+
+def test_serve_with_an_eagle_head_drafts_from_the_targets_features(tiny_llama, tmp_path):
+    from adaserve import LLM, SamplingParams
+    from tests.request_manager.test_eagle import write_head
+
+    head = write_head(tiny_llama, tmp_path / "head")
+    prompt = "t5 t6 t7 t8 t9"
+    ref = LLM(model=str(tiny_llama), policy="incremental").generate(
+        [prompt], SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    )[0]
+    args = ("--draft-model", str(head), "--policy", "adaserve_paper")
+    with serve_subprocess(str(tiny_llama), *args) as url:
+        health = httpx.get(f"{url}/health", timeout=10).json()
+        assert health["drafter"] == "eagle", health
+        body = {"prompt": prompt, "max_tokens": 32, "temperature": 0, "ignore_eos": True}
+        body["model"] = str(tiny_llama)
+        out = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        assert out["choices"][0]["text"] == ref.outputs[0].text, "EAGLE changed the output"
+        m = read_metrics(url)
+        assert metric(m, "adaserve_spec_decode_num_draft_tokens_total") > 0, "never drafted"
