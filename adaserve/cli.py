@@ -230,10 +230,14 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help=f"metric classes of slo_tpot_ms, name=upper_bound_ms,... (default: {classes})",
     )
     p.add_argument(
+        "--drain-timeout",
         "--shutdown-timeout",
+        dest="shutdown_timeout",
         type=float,
         default=ServerConfig.shutdown_timeout_s,
-        help="seconds running requests may finish after SIGTERM before abort",
+        help="after SIGTERM/SIGINT: new requests get 503 and /health says draining; running "
+        "requests may finish for this many seconds, then the rest end with finish reason "
+        "'abort' and the server exits 0",
     )
     p.add_argument(
         "--log-level",

@@ -100,13 +100,17 @@ class _Stop:
     pass
 
 
+class _AbortAll:
+    """The drain grace period is over: finish every request now, finish reason "abort"."""
+
+
 class AsyncEngine:
     """Owns the engine thread. Public methods are called from the event loop."""
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
         self.engine = engine
         self.metrics = metrics
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
         self._last_stats: object = None
@@ -151,6 +155,11 @@ class AsyncEngine:
         if not stream.done:
             self._mark_done(stream)
             self._commands.put(_Abort(stream.request_id))
+
+    def abort_all(self) -> None:
+        """Finish every request now (thread-safe): each client gets its final chunk with
+        finish reason "abort". Called when a drain's grace period ends."""
+        self._commands.put(_AbortAll())
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever still runs and stop the thread."""
@@ -200,6 +209,9 @@ class AsyncEngine:
                     return False
                 if isinstance(cmd, _Add):
                     pending.append((cmd.stream, self._add(cmd)))
+                elif isinstance(cmd, _AbortAll):
+                    for rid in list(self._streams):
+                        self._abort(rid, pending)
                 else:
                     self._abort(cmd.request_id, pending)
                 cmd = self._commands.get_nowait()

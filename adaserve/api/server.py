@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -114,7 +115,9 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        if serving.draining or not async_engine.alive:
+        if serving.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not async_engine.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         sched = engine.sched_cfg  # frozen: safe to read from this thread
         return JSONResponse(
@@ -136,12 +139,22 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
 class _GracefulServer(uvicorn.Server):
     """uvicorn, plus: the moment a shutdown signal arrives, new requests get 503."""
 
-    def __init__(self, config: uvicorn.Config, serving: OpenAIServing) -> None:
+    def __init__(
+        self, config: uvicorn.Config, serving: OpenAIServing, drain_timeout_s: float | None
+    ) -> None:
         super().__init__(config)
         self.serving = serving
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_timer: threading.Timer | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         self.serving.draining = True
+        if self.drain_timeout_s is not None and self._drain_timer is None:
+            # At the end of the grace period every running request is finished with reason
+            # "abort", so its client gets a final chunk instead of a cut connection.
+            self._drain_timer = threading.Timer(self.drain_timeout_s, self.serving.engine.abort_all)
+            self._drain_timer.daemon = True
+            self._drain_timer.start()
         super().handle_exit(sig, frame)
 
     @contextlib.contextmanager
@@ -169,10 +182,12 @@ def make_server(
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=shutdown_timeout_s,
+        # uvicorn cuts connections only after the drain has aborted what still ran and the
+        # final chunks went out.
+        timeout_graceful_shutdown=None if shutdown_timeout_s is None else shutdown_timeout_s + 5,
         access_log=False,
     )
-    return _GracefulServer(config, app.state.serving)
+    return _GracefulServer(config, app.state.serving, shutdown_timeout_s)
 
 
 def serve(

@@ -8,6 +8,7 @@ import asyncio
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -264,4 +265,41 @@ def test_shutdown_finishes_running_streams_then_stops_the_engine(tiny_llama) -> 
     assert lines[-1] == "data: [DONE]"
     assert not srv.thread.is_alive(), "server did not exit"
     assert not srv.app.state.async_engine.alive, "engine thread still running after shutdown"
+    assert engine.engine.target.cache.allocator.num_used == 0, "KV blocks leaked at shutdown"
+
+
+def test_drain_timeout_ends_running_streams_with_finish_reason_abort(tiny_llama) -> None:
+    engine = make_engine(tiny_llama)
+    step = engine.step
+
+    def slow_step():  # a 300-token stream would take ~30 s
+        time.sleep(0.1)
+        return step()
+
+    engine.step = slow_step  # type: ignore[method-assign]
+    srv = ThreadServer(build_app(engine, ServerConfig()), shutdown_timeout_s=1.0).__enter__()
+    lines: list[str] = []
+
+    def read_stream() -> None:
+        body = {"prompt": PROMPT, "max_tokens": 300, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60, json=body) as s:
+            lines.extend(line for line in s.iter_lines() if line.startswith("data: "))
+
+    reader = threading.Thread(target=read_stream)
+    reader.start()
+    wait_for(lambda: engine.has_unfinished(), 10, "the stream to reach the engine")
+    started = time.monotonic()
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()  # SIGTERM
+    wait_for(lambda: srv.app.state.serving.draining, 10, "draining to start")
+    health = httpx.get(f"{srv.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    reader.join(30)
+    stopper.join(30)
+    took = time.monotonic() - started
+    final = json.loads(lines[-2].removeprefix("data: "))
+    assert final["choices"][0]["finish_reason"] == "abort", final
+    assert lines[-1] == "data: [DONE]", "the aborted stream did not end cleanly"
+    assert took < 6, f"SIGTERM to exit took {took:.1f} s with a 1 s drain timeout"
+    assert not srv.thread.is_alive(), "server did not exit"
     assert engine.engine.target.cache.allocator.num_used == 0, "KV blocks leaked at shutdown"

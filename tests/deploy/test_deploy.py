@@ -70,6 +70,9 @@ def test_compose_file_parses_and_everything_it_references_exists():
     services = compose["services"]
     assert {"adaserve", "adaserve-b", "prometheus", "grafana"} <= set(services)
     assert services["adaserve-b"].get("profiles") == ["replica"], "second replica must be optional"
+    for name in ("adaserve", "adaserve-b"):  # the drain (30 s by default) fits the grace
+        grace = services[name].get("stop_grace_period", "10s")
+        assert int(grace.removesuffix("s")) > 30, f"{name}: stop_grace_period {grace} < drain"
     build = services["adaserve"]["build"]
     assert (DEPLOY / build["context"] / build["dockerfile"]).is_file(), "Dockerfile missing"
     for name, svc in services.items():

@@ -85,14 +85,14 @@ def serve_subprocess(*args: str, timeout_s: float = 180.0) -> Iterator[str]:
 class ThreadServer:
     """A uvicorn server for an app, running in a background thread of this process."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, shutdown_timeout_s: float = 10.0) -> None:
         from adaserve.api.server import make_server
 
         self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.server = make_server(
-            app, "127.0.0.1", self.port, log_level="warning", shutdown_timeout_s=10.0
+            app, "127.0.0.1", self.port, log_level="warning", shutdown_timeout_s=shutdown_timeout_s
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
