@@ -55,12 +55,31 @@ class _SamplingRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions.
-    slo_tpot_ms: float | None = _strict(gt=0, allow_inf_nan=False)
-    slo_ttft_ms: float | None = _strict(gt=0, allow_inf_nan=False)
-    top_k: int | None = _strict(ge=-1)
-    ignore_eos: bool | None = _strict(False)
-    stop_token_ids: list[int] | None = _strict()
-    return_token_ids: bool | None = _strict(False)
+    slo_tpot_ms: float | None = _strict(
+        gt=0,
+        allow_inf_nan=False,
+        description="adaserve: this request's time-per-output-token SLO in milliseconds; the "
+        "scheduler speculates and orders work so it is met (default: the server's "
+        "--default-slo-tpot-ms, else best effort)",
+    )
+    slo_ttft_ms: float | None = _strict(
+        gt=0,
+        allow_inf_nan=False,
+        description="adaserve: time-to-first-token SLO in milliseconds; prefill of this prompt "
+        "is sized to meet it",
+    )
+    top_k: int | None = _strict(
+        ge=-1, description="adaserve: sample from the k most likely tokens (0 or -1: off)"
+    )
+    ignore_eos: bool | None = _strict(
+        False, description="adaserve: keep generating past end-of-sequence up to max_tokens"
+    )
+    stop_token_ids: list[int] | None = _strict(
+        description="adaserve: token ids that end generation (besides stop strings)"
+    )
+    return_token_ids: bool | None = _strict(
+        False, description="adaserve: also return prompt and output token ids"
+    )
 
     @field_validator("n")
     @classmethod
@@ -129,7 +148,23 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     # str | list[int], also a batch of one ([str] or [[int]]); checked by `_one_prompt`.
-    prompt: Any = Field(...)
+    prompt: Any = Field(
+        ...,
+        description="the prompt: a string or a list of token ids (or a batch of one of them)",
+        json_schema_extra={
+            "anyOf": [
+                {"type": "string"},
+                {"type": "array", "items": {"type": "integer"}},
+                {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "array", "items": {"type": "integer"}},
+                    "minItems": 1,
+                    "maxItems": 1,
+                },
+            ]
+        },
+    )
     echo: bool | None = _strict(False)
     logprobs: int | None = _strict()
     best_of: int | None = _strict()

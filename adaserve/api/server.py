@@ -31,7 +31,15 @@ from adaserve.api.errors import (
     internal_error_handler,
 )
 from adaserve.api.metrics import ServerMetrics
-from adaserve.api.protocol import ModelCard, ModelList
+from adaserve.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
 from adaserve.api.serving import OpenAIServing
 from adaserve.config import ServerConfig
 from adaserve.llm import LLMEngine
@@ -133,7 +141,66 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    describe_api(app)
     return app
+
+
+# (path, request model, response model) of the routes that read their body themselves (to
+# answer in OpenAI's error format); their schemas go into the OpenAPI document by hand.
+_BODIES = (
+    ("/v1/completions", CompletionRequest, CompletionResponse),
+    ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse),
+)
+_ERRORS = {
+    "400": "invalid request: the message names the field (`param`) to fix",
+    "401": "missing or wrong API key",
+    "404": "unknown model",
+    "429": "queue full: retry after the `Retry-After` header's seconds",
+    "503": "draining or engine stopped: retry after `Retry-After`",
+}
+
+
+def describe_api(app: FastAPI) -> None:
+    """Publish the request and response bodies of the completion routes in /openapi.json."""
+    base = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = base()
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+
+        def ref(model: type) -> dict:
+            s = model.model_json_schema(ref_template="#/components/schemas/{model}")  # type: ignore[attr-defined]
+            comps.update(s.pop("$defs", {}))
+            comps[model.__name__] = s
+            return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+        error = ref(ErrorResponse)
+        for path, request, response in _BODIES:
+            op = schema["paths"][path]["post"]
+            op["requestBody"] = {
+                "required": True,
+                "content": {"application/json": {"schema": ref(request)}},
+            }
+            op["responses"] = {
+                "200": {
+                    "description": "the answer; with `stream: true` server-sent events of "
+                    "chunks, then `data: [DONE]`",
+                    "content": {
+                        "application/json": {"schema": ref(response)},
+                        "text/event-stream": {"schema": {"type": "string"}},
+                    },
+                },
+                **{
+                    code: {"description": text, "content": {"application/json": {"schema": error}}}
+                    for code, text in _ERRORS.items()
+                },
+            }
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 class _GracefulServer(uvicorn.Server):
