@@ -93,7 +93,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; outputs of requests that got tokens or finished."""
-        return [self.scheduler.output.make_output(r) for r in self.scheduler.step()]
+        outs = []
+        for r in self.scheduler.step():
+            try:
+                outs.append(self.scheduler.output.make_output(r))
+            except Exception as exc:  # detokenizing this request: it alone fails
+                if not r.finished or r.finish_reason != "error":
+                    self.scheduler.fail(r, exc)
+                outs.append(self.scheduler.output.error_output(r))
+        return outs
 
     @property
     def last_stats(self):

@@ -280,12 +280,17 @@ class AsyncEngine:
         if not outs:
             time.sleep(0.001)  # nothing could run this round (e.g. waiting for KV): do not spin
 
-    def _delta(self, out: RequestOutput) -> Delta:
+    def _delta(self, out: RequestOutput) -> Delta | EngineFailed:
         """The stream item of an engine output; records the metrics of a finished request."""
         if not out.finished:
             return Delta(out.delta_text, list(out.delta_token_ids), None)
         summary = self._summarize(out, out.outputs[0].finish_reason or "abort")
         self.metrics.observe_finished(summary)
+        if summary.finish_reason == "error":  # this request alone failed inside the engine
+            return EngineFailed(
+                f"internal error while processing this request: {out.error}; other requests "
+                "were not affected, retry it"
+            )
         return Delta(
             out.delta_text,
             list(out.delta_token_ids),

@@ -71,4 +71,18 @@ class OutputProcessor:
             req.metrics,
             delta_text,
             delta_tokens,
+            req.error,
+        )
+
+    def error_output(self, req: Request) -> RequestOutput:
+        """The output of a request whose own snapshot failed: its tokens, no text."""
+        out = CompletionOutput(0, "", list(req.output_token_ids), req.finish_reason)
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_token_ids,
+            [out],
+            True,
+            req.metrics,
+            error=req.error,
         )

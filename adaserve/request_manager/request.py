@@ -123,6 +123,8 @@ class RequestOutput:
     metrics: RequestMetrics
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # finish_reason "error": this request's own processing failed (others went on).
+    error: str | None = None
 
 
 class Request:
@@ -144,6 +146,7 @@ class Request:
         self.output_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # finish_reason "error": what failed, with an error id
         self.metrics = RequestMetrics(
             arrival_time if arrival_time is not None else time.monotonic(),
             slo_tpot_ms=params.slo_tpot_ms,

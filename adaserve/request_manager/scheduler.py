@@ -8,6 +8,8 @@ alone, so verification degenerates to sampling one token from the target.
 
 from __future__ import annotations
 
+import logging
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -22,6 +24,8 @@ from adaserve.request_manager.prefill import chunk_tokens, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
 from adaserve.tree import build_verify_tree, tree_attention_mask, verify
+
+logger = logging.getLogger("adaserve.scheduler")
 
 
 @dataclass
@@ -143,6 +147,19 @@ class Scheduler:
         if self.drafter is not None:
             self.drafter.on_release(req)
 
+    def fail(self, req: Request, exc: BaseException) -> None:
+        """Work of `req` alone raised: finish it with reason "error" (KV freed, an error id
+        logged with the traceback); every other request goes on."""
+        error_id = uuid.uuid4().hex[:12]
+        logger.error("request %s failed, error id %s", req.request_id, error_id, exc_info=exc)
+        for queue in (self.running, self.prefilling, self.waiting):
+            if req in queue:
+                queue.remove(req)
+        self._free(req)
+        req.error = f"{type(exc).__name__}: {exc} (error id {error_id})"
+        req.finish("error", self.clock())
+        self._failed.append(req)
+
     def _retire_finished(self) -> None:
         for req in [r for r in self.running if r.finished]:
             self.running.remove(req)
@@ -203,6 +220,7 @@ class Scheduler:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got tokens or finished in it."""
+        self._failed: list[Request] = []
         self._admit()
         if not (self.running or self.prefilling):
             return []
@@ -242,7 +260,8 @@ class Scheduler:
         )
         self.last_stats = stats
         self._retire_finished()
-        return cut_short + changed
+        out = cut_short + changed
+        return out + [r for r in self._failed if r not in out]
 
     def _plan_trees(
         self, decoding: list[Request], shape: SpecShape | None, context: int
@@ -382,70 +401,85 @@ class Scheduler:
             d.observe_features(r, r.num_cached, hidden[start : start + n])
 
     def _commit_trees(self, decoding, plan, vtrees, rows, logits, stats, now, flat) -> None:
-        cache, ctl, prefix = self.engine.target.cache, self.controller, self.engine.target_prefix
         features = self.drafter is not None and self.drafter.wants_features
         for r, tree, vt, row, start in zip(decoding, plan.trees, vtrees, rows, flat):
+            try:
+                self._commit_tree(r, tree, vt, row, start, logits, stats, now, features)
+            except Exception as exc:  # this request's walk or commit: it alone fails
+                self.fail(r, exc)
+
+    def _commit_tree(self, r, tree, vt, row, start, logits, stats, now, features) -> None:
+        """Walk one request's verified tree, keep the accepted path's KV, emit its tokens."""
+        cache, ctl, prefix = self.engine.target.cache, self.controller, self.engine.target_prefix
+        p = r.params
+        accepted, bonus = verify(
+            logits[row[0] : row[-1] + 1],
+            vt.tokens,
+            vt.parents,
+            p.temperature,
+            p.top_k,
+            p.top_p,
+            r.generator,
+        )
+        if len(vt) > 1:
+            taken = [vt.source_nodes[v] for v in accepted]
+            if ctl is not None:
+                ctl.observe_verification(tree, vt.source_nodes, taken)
+            if self.acceptance_log is not None:
+                self.acceptance_log.record(tree, vt.source_nodes, taken)
+        keep = [0] + accepted
+        if features:  # the root's and accepted nodes' hidden states, in path order
+            hidden = self.engine.target.last_hidden
+            assert hidden is not None and self.drafter is not None
+            self.drafter.observe_features(r, r.num_cached, hidden[[start + v for v in keep]])
+        cache.keep_subset(r.block_table, r.num_cached, keep)
+        r.num_cached += len(keep)
+        emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], now)
+        if prefix is not None:
+            prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
+        m = r.metrics
+        m.num_iterations += 1
+        m.num_tree_tokens += len(vt.tokens) - 1
+        m.num_accepted_tokens += len(accepted)
+        stats.tree_tokens += len(vt.tokens) - 1
+        stats.accepted_tokens += len(accepted)
+        stats.emitted_tokens += emitted
+
+    def _commit_chunks(self, chunks, chunk_rows, logits, stats, now) -> list[Request]:
+        """Advance prefills; a request whose prompt is complete samples its first token."""
+        done = []
+        for (r, n), row in zip(chunks, chunk_rows):
+            try:
+                if self._commit_chunk(r, n, row, logits, stats, now):
+                    done.append(r)
+            except Exception as exc:  # e.g. detokenizing its first token: it alone fails
+                self.fail(r, exc)
+        return done
+
+    def _commit_chunk(self, r: Request, n: int, row, logits, stats, now) -> bool:
+        """Advance one prefill; True when its prompt is complete (it joins the running)."""
+        r.num_cached += n
+        prefix = self.engine.target_prefix
+        if prefix is not None:
+            prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
+        if r.num_cached < prefill_target(r):
+            return False
+        self.prefilling.remove(r)
+        self.running.append(r)
+        if row is not None:  # a fresh request: its first token comes from the last chunk
             p = r.params
-            accepted, bonus = verify(
-                logits[row[0] : row[-1] + 1],
-                vt.tokens,
-                vt.parents,
+            _, token = verify(
+                logits[row : row + 1],
+                [r.last_token],
+                [-1],
                 p.temperature,
                 p.top_k,
                 p.top_p,
                 r.generator,
             )
-            if len(vt) > 1:
-                taken = [vt.source_nodes[v] for v in accepted]
-                if ctl is not None:
-                    ctl.observe_verification(tree, vt.source_nodes, taken)
-                if self.acceptance_log is not None:
-                    self.acceptance_log.record(tree, vt.source_nodes, taken)
-            keep = [0] + accepted
-            if features:  # the root's and accepted nodes' hidden states, in path order
-                hidden = self.engine.target.last_hidden
-                assert hidden is not None and self.drafter is not None
-                self.drafter.observe_features(r, r.num_cached, hidden[[start + v for v in keep]])
-            cache.keep_subset(r.block_table, r.num_cached, keep)
-            r.num_cached += len(keep)
-            emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], now)
-            if prefix is not None:
-                prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
-            m = r.metrics
-            m.num_iterations += 1
-            m.num_tree_tokens += len(vt.tokens) - 1
-            m.num_accepted_tokens += len(accepted)
-            stats.tree_tokens += len(vt.tokens) - 1
-            stats.accepted_tokens += len(accepted)
-            stats.emitted_tokens += emitted
-
-    def _commit_chunks(self, chunks, chunk_rows, logits, stats, now) -> list[Request]:
-        """Advance prefills; a request whose prompt is complete samples its first token."""
-        done = []
-        prefix = self.engine.target_prefix
-        for (r, n), row in zip(chunks, chunk_rows):
-            r.num_cached += n
-            if prefix is not None:
-                prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
-            if r.num_cached < prefill_target(r):
-                continue
-            self.prefilling.remove(r)
-            self.running.append(r)
-            done.append(r)
-            if row is not None:  # a fresh request: its first token comes from the last chunk
-                p = r.params
-                _, token = verify(
-                    logits[row : row + 1],
-                    [r.last_token],
-                    [-1],
-                    p.temperature,
-                    p.top_k,
-                    p.top_p,
-                    r.generator,
-                )
-                self.output.commit(r, [token], now)
-                stats.emitted_tokens += 1
-        return done
+            self.output.commit(r, [token], now)
+            stats.emitted_tokens += 1
+        return True
 
     # ------------------------------------------------------------------ KV pressure
     def _make_room(self, shape: SpecShape | None) -> list[Request]:

@@ -8,6 +8,7 @@ the decision whether to draft at all (`control.py`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shap
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
 from adaserve.tree import CandidateTree, top_chain
+
+logger = logging.getLogger("adaserve.speculation")
 
 
 @dataclass
@@ -106,7 +109,21 @@ class TreePlanner:
             for r in reqs:  # the scheduler checked these fit; the drafter frees the scratch
                 self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
         keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
-        trees = self.drafter.propose(reqs, shape, keep_going)
+        try:
+            trees = self.drafter.propose(reqs, shape, keep_going)
+        except Exception:
+            # Drafts are only proposals: a failing drafter costs this iteration its
+            # speculation, never a request. Its per-request state is dropped (rebuilt later).
+            logger.exception(
+                "drafter %s failed; this iteration verifies roots only", self.drafter.name
+            )
+            for r in reqs:
+                r.draft_num_cached = 0
+                self.drafter.on_release(r)
+            if self.engine.draft is not None:
+                for r in reqs:
+                    self.engine.draft.cache.truncate(r.draft_block_table, r.num_tokens)
+            return TreePlan.plain(reqs)
         t_draft = self.engine.clock()
         trees = [self.cap_depth(r, t) for r, t in zip(reqs, trees)]
         if self.cfg.policy == "sequence":

@@ -303,3 +303,43 @@ def test_drain_timeout_ends_running_streams_with_finish_reason_abort(tiny_llama)
     assert took < 6, f"SIGTERM to exit took {took:.1f} s with a 1 s drain timeout"
     assert not srv.thread.is_alive(), "server did not exit"
     assert engine.engine.target.cache.allocator.num_used == 0, "KV blocks leaked at shutdown"
+
+
+def test_a_fault_in_one_request_is_its_own_500_and_the_others_finish(
+    tiny_llama, monkeypatch
+) -> None:
+    from adaserve.request_manager.output import OutputProcessor
+
+    engine = make_engine(tiny_llama, max_num_seqs=8)
+    bad = engine.tokenize("t9 t9 t9")
+    real_commit = OutputProcessor.commit
+
+    def commit(self, req, tokens, now):
+        if req.prompt_token_ids == bad and len(req.output_token_ids) >= 2:
+            raise RuntimeError("injected fault")
+        return real_commit(self, req, tokens, now)
+
+    monkeypatch.setattr(OutputProcessor, "commit", commit)
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        want = complete(srv.url, max_tokens=12, temperature=0, ignore_eos=True).json()
+        results: dict[str, httpx.Response] = {}
+
+        def send(name: str, prompt: str) -> None:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            results[name] = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60)
+
+        threads = [threading.Thread(target=send, args=(f"ok{i}", PROMPT)) for i in range(3)]
+        threads.append(threading.Thread(target=send, args=("bad", "t9 t9 t9")))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        err = results["bad"]
+        assert err.status_code == 500, err.text
+        assert "error id" in err.json()["error"]["message"], err.text
+        for i in range(3):
+            r = results[f"ok{i}"]
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
+        assert complete(srv.url, max_tokens=2).status_code == 200, "server stopped serving"
+        wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
