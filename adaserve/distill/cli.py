@@ -293,7 +293,9 @@ def run(a: argparse.Namespace) -> int:
             print(f"distill: stopped at step {res.step}/{res.total_steps}; run again to resume")
             return 0
         print(f"distill: wrote {out} (held-out top-1 agreement {res.eval_agreement:.3f})")
-    if a.phase in ("all", "eval"):
+    if a.phase in ("all", "eval") and a.method == "eagle":
+        _eval_eagle(a, target, data_dir, work, Path(a.draft) if a.draft else out)
+    elif a.phase in ("all", "eval"):
         draft = Path(a.draft) if a.draft else out
         held = load_sequences(data_dir, "eval")
         report = {
@@ -366,6 +368,44 @@ def _train_eagle(a, target: Path, data_dir: Path, work: Path, out: Path, left, p
     agree = ", ".join(f"{x:.3f}" for x in res.agreement or [])
     print(f"distill: wrote {out} (held-out top-1 agreement at depth 1..4: {agree})")
     return True
+
+
+def _eval_eagle(a, target: Path, data_dir: Path, work: Path, head_dir: Path) -> None:
+    """Held-out agreement by depth, then the head serving one request at a time: accepted
+    tokens per iteration under adaserve_paper (always speculates) at budget 8 and --budget,
+    and tokens/s of adaserve (speculation control on) against incremental."""
+    import torch
+
+    from adaserve.distill.data import load_sequences
+    from adaserve.distill.eagle import held_out_agreement, load_or_compute_features
+    from adaserve.distill.evaluate import speculation_stats
+    from adaserve.exec.draft_vocab import draft_vocab_ids
+    from adaserve.exec.loader import load_model
+    from adaserve.exec.model.eagle import load_eagle_head
+
+    model = load_model(target)
+    head = load_eagle_head(head_dir, model)
+    if a.eagle_vocab < model.args.vocab_size:
+        ids = draft_vocab_ids(target.name, model.args.vocab_size, a.eagle_vocab, None)
+        head.restrict_head(torch.tensor(ids, dtype=torch.long))
+    held = load_sequences(data_dir, "eval")
+    with torch.no_grad():
+        feats = load_or_compute_features(model, held, work / "eagle-features-eval.pt", a.max_len)
+        agreement = held_out_agreement(head, held, feats, a.max_len)
+    prompts = [t[:p].tolist() for t, p in zip(held.tokens, held.prompt_lens)][: a.speed_prompts]
+    report: dict = {"head": str(head_dir), "top1_agreement_by_depth": agreement}
+    for budget in sorted({8, a.budget}):
+        stats = speculation_stats(
+            target, head_dir, prompts, budget, a.speed_max_tokens, a.device, policy="adaserve_paper"
+        )
+        report[f"accepted_per_iteration_b{budget}"] = stats["accepted_per_iteration"]
+    report.update(
+        speculation_stats(
+            target, head_dir, prompts, a.budget, a.speed_max_tokens, a.device, a.speed_repeats
+        )
+    )
+    print(json.dumps(report, indent=2))
+    (work / "eagle_eval.json").write_text(json.dumps(report, indent=2))
 
 
 def main(argv: list[str] | None = None) -> int:

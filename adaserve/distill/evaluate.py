@@ -103,8 +103,9 @@ def speculation_stats(
     max_tokens: int = 64,
     device: str = "cpu",
     repeats: int = 1,
+    policy: str = "adaserve",
 ) -> dict[str, float]:
-    """adaserve (budget B, one request at a time, greedy) against incremental on `prompts`.
+    """`policy` (budget B, one request at a time, greedy) against incremental on `prompts`.
 
     Returns accepted tokens per iteration (draft tokens only, the bonus token not counted),
     tokens per iteration (with it), and output tokens/s of both policies. The two policies
@@ -115,7 +116,7 @@ def speculation_stats(
     from adaserve.request_manager.request import SamplingParams
 
     model = None if target_dir is None else str(target_dir)
-    spec = LLM(model, draft_model=str(draft_dir), policy="adaserve", budget=budget, device=device)
+    spec = LLM(model, draft_model=str(draft_dir), policy=policy, budget=budget, device=device)
     inc = LLM(model, policy="incremental", device=device)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     spec.generate(prompts[0], SamplingParams(max_tokens=4))  # warm-up

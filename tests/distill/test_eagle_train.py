@@ -164,3 +164,10 @@ def test_cli_trains_a_head(tiny_target, tiny_data, tmp_path, capsys) -> None:
     config = json.loads((tmp_path / "h" / "config.json").read_text())
     assert config["adaserve_eagle_training"]["steps"] == 3
     assert "agreement at depth 1..4" in capsys.readouterr().out
+    ev = [a if a != "train" else "eval" for a in args] + ["--speed-prompts", "2"]
+    ev += ["--speed-max-tokens", "8", "--budget", "16"]
+    assert distill_main(ev) == 0
+    report = json.loads((tmp_path / "w" / "eagle_eval.json").read_text())
+    assert len(report["top1_agreement_by_depth"]) == 4
+    for key in ("accepted_per_iteration_b8", "accepted_per_iteration_b16", "speedup"):
+        assert key in report, sorted(report)
