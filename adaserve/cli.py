@@ -200,6 +200,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="a file of accepted keys, one per line ('#' comments and blank lines ignored)",
     )
     p.add_argument(
+        "--admission",
+        choices=("queue", "slo"),
+        default=d.admission,
+        help="queue: admit while --max-waiting allows; slo: also answer 429 "
+        "(slo_unattainable) to a request whose slo_tpot_ms the current load cannot meet",
+    )
+    p.add_argument(
         "--protect-metrics",
         action="store_true",
         help="/metrics needs a key too (point Prometheus' authorization at one)",
@@ -306,6 +313,7 @@ def run_serve(a: argparse.Namespace) -> int:
         port=a.port,
         api_keys=keys,
         protect_metrics=a.protect_metrics,
+        admission=a.admission,
         served_model_name=a.served_model_name,
         default_slo_tpot_ms=a.default_slo_tpot_ms,
         slo_classes=a.slo_classes,

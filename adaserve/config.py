@@ -219,6 +219,9 @@ class ServerConfig:
     port: int = 8000
     # Keys accepted in 'Authorization: Bearer KEY' (empty: no key needed). /health never
     # needs one; /metrics only with protect_metrics.
+    # "queue": admit every valid request while the waiting queue has room (--max-waiting);
+    # "slo": also refuse (429) a request whose slo_tpot_ms the current load cannot meet.
+    admission: str = "queue"
     api_keys: tuple[str, ...] = ()
     protect_metrics: bool = False
     served_model_name: str | None = None
@@ -233,3 +236,7 @@ class ServerConfig:
     # Seconds running requests may take to finish after SIGINT/SIGTERM before they are aborted.
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.admission not in ("queue", "slo"):
+            raise ValueError(f"admission must be 'queue' or 'slo', got {self.admission!r}")

@@ -39,6 +39,14 @@ class Rejected:
 
 
 @dataclass(frozen=True)
+class Refused:
+    """Admission said no under the current load (a 429 with Retry-After, not the client's
+    fault); `message` says why."""
+
+    message: str
+
+
+@dataclass(frozen=True)
 class EngineFailed:
     """The engine raised while running the request (the server's fault: a 500)."""
 
@@ -62,7 +70,7 @@ class Delta:
         return self.finish_reason is not None
 
 
-StreamItem = Accepted | Rejected | EngineFailed | Delta
+StreamItem = Accepted | Rejected | Refused | EngineFailed | Delta
 ENGINE_STOPPED = "the engine has stopped (server shutting down)"
 
 
@@ -107,9 +115,10 @@ class _AbortAll:
 class AsyncEngine:
     """Owns the engine thread. Public methods are called from the event loop."""
 
-    def __init__(self, engine: LLMEngine, metrics: ServerMetrics) -> None:
+    def __init__(self, engine: LLMEngine, metrics: ServerMetrics, admission: str = "queue") -> None:
         self.engine = engine
         self.metrics = metrics
+        self.admission = admission
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
@@ -175,7 +184,7 @@ class AsyncEngine:
     def _deliver(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
         """Runs on the event loop: hand items to their streams."""
         for stream, item in items:
-            if isinstance(item, (Rejected, EngineFailed)) or (
+            if isinstance(item, (Rejected, Refused, EngineFailed)) or (
                 isinstance(item, Delta) and item.finished
             ):
                 self._mark_done(stream)
@@ -229,6 +238,9 @@ class AsyncEngine:
                 assert cmd.prompt is not None
                 ids = eng.tokenize(cmd.prompt)
             params = cmd.params
+            refusal = self._slo_refusal(params)
+            if refusal is not None:
+                return refusal
             if cmd.fill_max_tokens:
                 params = replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
             self._check_fits_cache(len(ids))
@@ -239,6 +251,19 @@ class AsyncEngine:
             return Rejected(str(exc) or type(exc).__name__)
         self._streams[cmd.stream.request_id] = cmd.stream
         return Accepted(list(ids))
+
+    def _slo_refusal(self, params: SamplingParams) -> Refused | None:
+        """--admission slo: refuse a request whose TPOT SLO the current load cannot meet."""
+        slo = params.slo_tpot_ms
+        if self.admission != "slo" or slo is None:
+            return None
+        tpot = self.engine.scheduler.predicted_tpot_s()
+        if tpot is None or 1000 * tpot <= slo:
+            return None
+        return Refused(
+            f"slo_tpot_ms {slo:g} cannot be met at the current load (about {1000 * tpot:.0f} "
+            "ms per token predicted); retry later or relax slo_tpot_ms"
+        )
 
     def _check_fits_cache(self, num_prompt_tokens: int) -> None:
         # A prompt that can never be admitted would wait forever; say so now instead.

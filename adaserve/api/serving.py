@@ -23,6 +23,7 @@ from adaserve.api.async_engine import (
     AsyncEngine,
     Delta,
     EngineFailed,
+    Refused,
     Rejected,
     RequestStream,
 )
@@ -174,6 +175,14 @@ class OpenAIServing:
                 503,
                 first.message,
                 code="server_unavailable",
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
+            )
+        if isinstance(first, Refused):
+            self.engine.metrics.rejected.labels("slo_unattainable").inc()
+            raise APIError(
+                429,
+                first.message,
+                code="slo_unattainable",
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Rejected):

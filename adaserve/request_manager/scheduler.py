@@ -84,6 +84,9 @@ class Scheduler:
         self.running: list[Request] = []  # decoding
         self.last_stats: IterationStats | None = None
         self.num_preemptions = 0
+        # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
+        # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
+        self.tokens_per_request = 1.0
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
             cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
@@ -146,6 +149,18 @@ class Scheduler:
         req.draft_block_hashes.clear()
         if self.drafter is not None:
             self.drafter.on_release(req)
+
+    def predicted_tpot_s(self) -> float | None:
+        """Seconds per output token a request admitted now would see once it decodes: the
+        cost model's time of a decode iteration over everyone here plus it (at most
+        max_num_seqs, one token each), over the tokens per request iterations have recently
+        emitted. None without a cost model (nothing to predict from)."""
+        if self.cost is None:
+            return None
+        reqs = [*self.running, *self.prefilling, *self.waiting]
+        n = min(len(reqs) + 1, self.cfg.max_num_seqs)
+        context = sum(r.num_tokens for r in reqs[:n])
+        return self.cost.predict(n, context) / self.tokens_per_request
 
     def fail(self, req: Request, exc: BaseException) -> None:
         """Work of `req` alone raised: finish it with reason "error" (KV freed, an error id
@@ -259,6 +274,9 @@ class Scheduler:
             plan, len(decoding), stats.accepted_tokens, stats.num_tokens, context, stats.total_s
         )
         self.last_stats = stats
+        if decoding:
+            per = (stats.emitted_tokens - stats.prefill_requests) / len(decoding)
+            self.tokens_per_request += 0.1 * (max(per, 1.0) - self.tokens_per_request)
         self._retire_finished()
         out = cut_short + changed
         return out + [r for r in self._failed if r not in out]

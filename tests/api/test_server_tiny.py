@@ -343,3 +343,21 @@ def test_a_fault_in_one_request_is_its_own_500_and_the_others_finish(
             assert r.json()["choices"][0]["text"] == want["choices"][0]["text"]
         assert complete(srv.url, max_tokens=2).status_code == 200, "server stopped serving"
         wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
+
+
+def test_slo_admission_refuses_an_slo_the_load_cannot_meet(tiny_llama) -> None:
+    from tests.virtual_time import slow_forwards
+
+    # The target's forwards cost 50 ms + 2 ms per token (on the engine's clock).
+    engine = slow_forwards(make_engine(tiny_llama, max_num_seqs=8), lambda n: 0.05 + 0.002 * n)
+    with ThreadServer(build_app(engine, ServerConfig(admission="slo"))) as srv:
+        tight = complete(srv.url, max_tokens=4, slo_tpot_ms=10)
+        assert tight.status_code == 429, tight.text
+        assert tight.json()["error"]["code"] == "slo_unattainable", tight.text
+        assert "retry-after" in tight.headers and "slo_tpot_ms 10" in tight.text
+        assert complete(srv.url, max_tokens=4, slo_tpot_ms=1000).status_code == 200
+        assert complete(srv.url, max_tokens=4).status_code == 200, "no SLO: nothing to refuse"
+        m = read_metrics(srv.url)
+        assert metric(m, "adaserve_requests_rejected_total", reason="slo_unattainable") == 1
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:  # admission queue: admitted
+        assert complete(srv.url, max_tokens=4, slo_tpot_ms=10).status_code == 200
