@@ -120,6 +120,9 @@ def _group(records: Sequence[RequestRecord], duration_s: float) -> dict:
     }
 
 
+REFUSALS = ("HTTP 429", "HTTP 503")
+
+
 def summarize(records: Sequence[RequestRecord]) -> dict:
     """Attainment, goodput, throughput and latency statistics, overall and per SLO category."""
     ends = [r.end_s for r in records if r.end_s is not None]
@@ -131,6 +134,15 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     out.update(_stats((_ms(r.e2e_s) for r in records if r.completed), "e2e_ms"))
     errors = Counter(r.error for r in records if r.error is not None)
     out["errors"] = dict(errors.most_common(MAX_ERROR_KINDS))
+    # Refused by the server's admission (queue full, SLO unattainable, draining): the
+    # overload answer, distinct from failures. Attainment among the admitted is what
+    # admission control protects.
+    refused = [r for r in records if r.error is not None and r.error.startswith(REFUSALS)]
+    admitted = [r for r in records if not (r.error is not None and r.error.startswith(REFUSALS))]
+    out["refused"] = len(refused)
+    out["admitted_slo_attainment"] = (
+        sum(r.slo_attained for r in admitted) / len(admitted) if admitted else None
+    )
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     # How late the client sent requests: large values mean the client, not the server, lagged.
     out["max_send_lag_ms"] = 1000.0 * max(lags) if lags else None

@@ -103,3 +103,17 @@ def test_table_has_a_row_per_run_with_every_category() -> None:
     assert len(lines) == 4, lines
     assert "att. abs=50ms" in lines[0] and "att. ratio=1.25" in lines[0]
     assert lines[2].startswith("| adaserve | 2.00 |") and "66.7%" in lines[2]
+
+
+def test_refused_requests_are_counted_apart_from_the_admitted() -> None:
+    records = [
+        rec(0, "urgent", 100.0, 0.0, 0.1, 1.0, 10),  # 100 ms TPOT: attained
+        rec(1, "urgent", 100.0, 0.0, 0.1, 3.0, 10),  # 322 ms: missed
+        rec(2, "urgent", 100.0, 0.0, 0.0, 0.0, 0, error="HTTP 429: slo_tpot_ms 100 cannot ..."),
+        rec(3, "urgent", 100.0, 0.0, 0.0, 0.0, 0, error="HTTP 503: draining"),
+        rec(4, "urgent", 100.0, 0.0, 0.0, 0.0, 0, error="ReadTimeout: ..."),
+    ]
+    s = summarize(records)
+    assert s["refused"] == 2
+    assert s["slo_attainment"] == pytest.approx(1 / 5)
+    assert s["admitted_slo_attainment"] == pytest.approx(1 / 3), "a timeout is no refusal"
