@@ -149,12 +149,22 @@ def slow_target(engine: LLMEngine, seconds: float) -> LLMEngine:
 
 
 @pytest.mark.parametrize(
-    "policy, drafter", [("adaserve_paper", "model"), ("adaserve", "model"), ("adaserve", "suffix")]
+    "policy, drafter",
+    [
+        ("adaserve_paper", "model"),
+        ("adaserve", "model"),
+        ("adaserve", "suffix"),
+        ("adaserve_paper", "eagle"),
+    ],
 )
 def test_sampling_under_adaserve_has_the_target_distribution(tmp_path, policy, drafter):
     vocab, n = 6, 20000
     target = make_tiny_checkpoint(tmp_path / "t", vocab_size=vocab, seed=3)
     draft = make_tiny_checkpoint(tmp_path / "d", vocab_size=vocab, seed=4, num_layers=1)
+    if drafter == "eagle":
+        from tests.request_manager.test_eagle import write_head
+
+        draft = write_head(target, tmp_path / "head")
     prompt = [2, 3, 4]
     if policy == "adaserve":
         # Control keeps speculating only where it pays: a good draft next to a costly target.
