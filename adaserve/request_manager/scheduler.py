@@ -387,6 +387,11 @@ class Scheduler:
         d = self.engine.draft
         if d is None or not chunks or self.engine.draft_is_head:
             return
+        ctl = self.controller
+        if ctl is not None and not ctl.drafting_on:
+            # Drafting is off (it does not pay): do not pay for draft prefill either. When it
+            # comes back on, the drafter's first step feeds every token the draft has not seen.
+            return
         builder = SequenceBatchBuilder()
         for r, n in chunks:
             start, end = r.draft_num_cached, r.num_cached + n

@@ -139,3 +139,33 @@ def test_a_cold_calibration_prunes_nothing_until_it_has_seen_the_drafter():
     assert kept == [[0, 1, 2]], "a cold calibration must let the drafter be tried"
     kept, _ = _warm(ctl).prune([tree], [[0, 1, 2]], [[0]], context=0)
     assert kept == [[0]], "once warm, a tree that costs more than it yields is dropped"
+
+
+def test_no_draft_prefill_while_drafting_is_off_and_output_stays_exact(pair):  # noqa: F811
+    prompts, params = PROMPTS * 3, greedy(30) * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], pair["random"], "adaserve")
+    run(engine, PROMPTS, greedy(60))  # a random draft: control turns drafting off
+    draft = engine.engine.draft
+    fed: list[int] = []
+    real = draft.forward
+
+    def counting(batch, pad_to=None):
+        fed.append(len(batch.token_ids))
+        return real(batch, pad_to)
+
+    draft.forward = counting
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
+    done, idle_prefill = {}, 0
+    while engine.has_unfinished():
+        fed.clear()
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        s = engine.last_stats
+        if not s.drafted:  # drafting off: no draft forward at all, prompt chunks included
+            assert not fed, f"the draft ran {fed} tokens in an iteration that did not draft"
+            idle_prefill += s.prefill_tokens
+    assert idle_prefill > 0, "no prompt was prefilled while drafting was off"
+    assert [done[i] for i in ids] == ref, "skipping draft prefill changed the output"
+    assert_no_blocks_held(engine)
