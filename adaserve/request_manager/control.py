@@ -203,7 +203,11 @@ class SpeculationController:
         """Predicted iteration time for A(r): draft steps plus a forward at the budget (plus
         `extra_tokens` of prefill riding along)."""
         tokens = max(num_requests, min(self.cfg.budget, num_requests * shape.max_nodes))
-        draft = shape.depth * self.draft_step_s(num_requests * shape.width, context)
+        draft = (
+            0.0
+            if shape.cheap_only
+            else shape.depth * self.draft_step_s(num_requests * shape.width, context)
+        )
         return draft + self.forward_s(tokens + extra_tokens, context + extra_tokens)
 
     # ------------------------------------------------------------------ 3. which nodes?

@@ -28,6 +28,9 @@ class SpecShape:
     depth: int
     width: int
     expansion: tuple[int, ...] | None = None
+    # Speculation control has the costly drafter off: only the cheap parts of a combined
+    # drafter (the suffix index) propose.
+    cheap_only: bool = False
 
     def frontier_sizes(self) -> list[int]:
         """Nodes added at depth 1..depth (per request)."""

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from adaserve.config import SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine
 from adaserve.request_manager.control import SpeculationController
 from adaserve.request_manager.drafters import Drafter, make_drafter
+from adaserve.request_manager.drafters.combined import CombinedDrafter
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
@@ -87,6 +88,10 @@ class TreePlanner:
                 return None  # the roots alone fill the budget: nothing could be verified
             context = sum(r.num_cached for r in running)
             if not ctl.should_draft(len(running), shape, context):
+                # The costly drafter does not pay now; a cheap part (the suffix index of
+                # "eagle+suffix") still proposes, scored by calibration and pruning alone.
+                if isinstance(self.drafter, CombinedDrafter) and self.drafter.has_cheap_part:
+                    return replace(shape, cheap_only=True)
                 return None
             if ctl.probing and shape.expansion is None:
                 return SpecShape(depth=1, width=shape.width)
@@ -104,11 +109,13 @@ class TreePlanner:
         assert self.drafter is not None
         start = self.engine.clock()
         ctl = self.controller
-        if self.engine.draft is not None:
+        if self.engine.draft is not None and not shape.cheap_only:
             scratch = self.drafter.scratch_tokens(shape)
             for r in reqs:  # the scheduler checked these fit; the drafter frees the scratch
                 self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
-        keep_going = ctl.keep_going(len(reqs), context) if ctl is not None else None
+        keep_going = (
+            ctl.keep_going(len(reqs), context) if ctl is not None and not shape.cheap_only else None
+        )
         try:
             trees = self.drafter.propose(reqs, shape, keep_going)
         except Exception:
@@ -182,8 +189,8 @@ class TreePlanner:
             return
         self.t_spec.update(total_s)
         ctl = self.controller
-        if ctl is None or self.drafter is None or not self.drafter.costly:
-            return
+        if ctl is None or self.drafter is None or not self.drafter.costly or plan.shape.cheap_only:
+            return  # only iterations where the costly drafter ran score it
         steps = max(max(t.depths) for t in plan.trees)
         ctl.record_draft_time(plan.draft_s, steps, num_requests * plan.shape.width, context)
         # Scored by the calibrated expectation once calibration has seen the drafter (one

@@ -77,6 +77,23 @@ def test_the_suffix_drafter_finds_answers_it_has_served_before(pair):  # noqa: F
         assert_no_blocks_held(engine)
 
 
+def test_the_suffix_part_keeps_proposing_while_a_losing_draft_model_is_off(pair):  # noqa: F811
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3, 4]]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], pair["random"], "adaserve", drafter="model+suffix")
+    first, _ = run(engine, prompts, params)  # the random draft model loses: it goes off
+    again, stats = run(engine, prompts, params)
+    assert first == ref and again == ref, "model+suffix changed the greedy output"
+    ctl = engine.scheduler.controller
+    assert ctl.num_skipped_drafts > 0, "the random draft model was never switched off"
+    cheap = [s for s in stats if s.kind == "decode" and s.drafted and s.draft_s < 0.002]
+    accepted = sum(s.accepted_tokens for s in stats)
+    assert accepted > 60, f"only {accepted} repeated tokens accepted with the model off"
+    assert cheap, "no iteration drafted with the suffix part alone"
+    assert_no_blocks_held(engine)
+
+
 def _cost(g_ms: dict[int, float]) -> ForwardCostModel:
     model = ForwardCostModel()
     model.seed([(n, 0, ms / 1000) for n, ms in g_ms.items()], weight=100.0)

@@ -23,14 +23,22 @@ class CombinedDrafter(Drafter):
         self.costly = any(p.costly for p in parts)
         self.wants_features = any(p.wants_features for p in parts)
 
+    @property
+    def has_cheap_part(self) -> bool:
+        """Some part costs no model forward (it can propose while the costly ones are off)."""
+        return any(not p.costly for p in self.parts)
+
     def scratch_tokens(self, shape: SpecShape) -> int:
+        if shape.cheap_only:
+            return 0
         return max(p.scratch_tokens(shape) for p in self.parts)
 
     def propose(
         self, requests: Sequence[Request], shape: SpecShape, keep_going: KeepGoing | None = None
     ) -> list[CandidateTree]:
-        merged = self.parts[0].propose(requests, shape, keep_going)
-        for part in self.parts[1:]:
+        parts = [p for p in self.parts if not (shape.cheap_only and p.costly)]
+        merged = parts[0].propose(requests, shape, keep_going)
+        for part in parts[1:]:
             trees = part.propose(requests, shape, keep_going)
             merged = [merge_trees(a, b) for a, b in zip(merged, trees)]
         return merged
