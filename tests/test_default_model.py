@@ -52,3 +52,20 @@ def test_chat_applies_the_template_and_stops_at_eos(default_model_dir):
     assert out.outputs[0].finish_reason == "stop", "chat answer should end with <|im_end|>"
     assert out.metrics.ttft_s is not None and out.metrics.ttft_s > 0
     assert out.metrics.tpot_ms is not None and out.metrics.tpot_ms > 0
+
+
+def test_the_shipped_eagle_head_drafts_losslessly_on_the_default_model(default_model_dir):
+    from adaserve.exec.default_model import shipped_head
+
+    assert shipped_head() is not None, "the package lost its EAGLE head"
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    ref = LLM(max_num_seqs=4).generate(prompts, sp)
+    llm = LLM(drafter="eagle", policy="adaserve_paper", budget=16, max_num_seqs=4)
+    assert llm.llm_engine.scheduler.drafter.name == "eagle"
+    outs = llm.generate(prompts, sp)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    iterations = sum(o.metrics.num_iterations for o in outs)
+    # Trained to ~42% held-out depth-1 agreement: it must get a fair share accepted.
+    assert accepted > 0.2 * iterations, f"{accepted} accepted in {iterations} iterations"
