@@ -147,6 +147,7 @@ class SimEngine:
 
     cuda_graphs = False
     draft_graphs = None
+    draft_is_head = False  # a simulated draft is a draft model (it reads tokens only)
 
     def __init__(
         self,
