@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import IO
 
 import torch
 from safetensors.torch import save_file
 from torch import nn
+from tqdm import tqdm
 
 TOKENIZER_FILES = (
     "tokenizer.json",
@@ -118,3 +122,34 @@ def save_draft(model: nn.Module, target_dir: Path, out_dir: Path, meta: dict) ->
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def record_step(
+    entry: dict,
+    history: list[dict],
+    log: IO[str],
+    bar: tqdm,
+    save: Callable[[], object],
+    total: int,
+    save_every: int,
+    stop_after: int | None,
+    time_limit_s: float | None,
+    started: float,
+    postfix: dict[str, str],
+) -> bool:
+    """A trainer's bookkeeping after optimizer step `entry["step"]`: history, log line,
+    progress bar, a checkpoint every `save_every` steps, at the end and when this call stops.
+    Returns True when the call stops here early (`stop_after` / `time_limit_s`); the next
+    call resumes from that checkpoint."""
+    step = entry["step"]
+    history.append(entry)
+    log.write(json.dumps(entry) + "\n")
+    log.flush()
+    bar.update(1)
+    bar.set_postfix(**postfix)
+    interrupted = (stop_after is not None and step >= stop_after) or (
+        time_limit_s is not None and time.monotonic() - started > time_limit_s
+    )
+    if step % save_every == 0 or step == total or interrupted:
+        save()
+    return interrupted and step < total

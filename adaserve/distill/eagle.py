@@ -23,7 +23,6 @@ function of (seed, epoch), refused on resume with other trajectory settings.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -33,7 +32,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from adaserve.distill.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from adaserve.distill.checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    record_step,
+    save_checkpoint,
+)
 from adaserve.distill.data import Sequences
 from adaserve.distill.train import EpochOrder, lr_factor
 from adaserve.exec.model.eagle import EagleHead, head_from_target, save_eagle_head
@@ -348,17 +352,21 @@ def train_eagle(
         }
         if held_out is not None and cfg.eval_every and result.step % cfg.eval_every == 0:
             entry["eval_agreement"] = held_out_agreement(head, *held_out, cfg.max_len)
-        result.history.append(entry)
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
-        bar.update(1)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}", agree=f"{info.get('agree1', 0):.2f}")
-        interrupted = (stop_after is not None and result.step >= stop_after) or (
-            time_limit_s is not None and time.monotonic() - started > time_limit_s
-        )
-        if result.step % cfg.save_every == 0 or result.step == total or interrupted:
-            save_checkpoint(ckpt_dir, result.step, head, opt, sched, run_config, result.history)
-        if interrupted and result.step < total:
+        if record_step(
+            entry,
+            result.history,
+            log,
+            bar,
+            lambda: save_checkpoint(
+                ckpt_dir, result.step, head, opt, sched, run_config, result.history
+            ),
+            total,
+            cfg.save_every,
+            stop_after,
+            time_limit_s,
+            started,
+            {"loss": f"{entry['loss']:.3f}", "agree": f"{info.get('agree1', 0):.2f}"},
+        ):
             break
     bar.close()
     log.close()

@@ -13,7 +13,6 @@ state, history) goes to `work_dir/checkpoints`; the data order is a pure functio
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from tqdm import tqdm
 from adaserve.distill.checkpoint import (
     latest_checkpoint,
     load_checkpoint,
+    record_step,
     save_checkpoint,
     save_draft,
 )
@@ -262,17 +262,21 @@ def train(
         result.step += 1
         if held_out is not None and cfg.eval_every and result.step % cfg.eval_every == 0:
             entry["eval_agreement"] = model_agreement(target, draft, held_out, dev)
-        result.history.append(entry)
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
-        bar.update(1)
-        bar.set_postfix(loss=f"{entry['loss']:.3f}", agree=f"{entry['agreement']:.2f}")
-        interrupted = (stop_after is not None and result.step >= stop_after) or (
-            time_limit_s is not None and time.monotonic() - started > time_limit_s
-        )
-        if result.step % cfg.save_every == 0 or result.step == total or interrupted:
-            save_checkpoint(ckpt_dir, result.step, draft, opt, sched, run_config, result.history)
-        if interrupted and result.step < total:
+        if record_step(
+            entry,
+            result.history,
+            log,
+            bar,
+            lambda: save_checkpoint(
+                ckpt_dir, result.step, draft, opt, sched, run_config, result.history
+            ),
+            total,
+            cfg.save_every,
+            stop_after,
+            time_limit_s,
+            started,
+            {"loss": f"{entry['loss']:.3f}", "agree": f"{entry['agreement']:.2f}"},
+        ):
             break
     bar.close()
     log.close()

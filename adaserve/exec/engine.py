@@ -148,7 +148,7 @@ class ModelRunner:
         self.backend.plan(batch.metadata())
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, pos, self.backend)  # [T, hidden]
+        hidden = self._hidden(batch, ids, pos)  # [T, hidden]
         if self.capture_hidden:
             self.last_hidden = hidden
         if batch.logits_indices is None:
@@ -158,27 +158,24 @@ class ModelRunner:
         idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
         return self.model.compute_logits(hidden[idx])
 
+    def _hidden(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self.model(ids, pos, self.backend)
+
 
 class EagleRunner(ModelRunner):
     """An EAGLE head (`exec/model/eagle.py`) with its own KV cache; reads batch.features."""
 
     model: EagleHead  # type: ignore[assignment]
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
-        self.backend.plan(batch.metadata())
-        ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
-        pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)
+    def __init__(self, model: EagleHead, cache: KVCache, backend: AttentionBackend) -> None:
+        super().__init__(model, cache, backend)  # type: ignore[arg-type]
+        self.capture_hidden = True  # the drafter reads each row's output feature
+
+    def _hidden(self, batch: ForwardBatch, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         feats = torch.zeros(len(ids), self.model.args.hidden_size, device=self.device)
         if batch.features is not None:  # padding rows (and profiling) read zeros
             feats[: len(batch.features)] = batch.features
-        hidden = self.model(ids, pos, self.backend, feats)
-        self.last_hidden = hidden
-        if batch.logits_indices is None:
-            return self.model.compute_logits(hidden)
-        if not batch.logits_indices:
-            return None
-        idx = torch.tensor(batch.logits_indices, dtype=torch.long, device=self.device)
-        return self.model.compute_logits(hidden[idx])
+        return self.model(ids, pos, self.backend, feats)
 
 
 def _make_backend(name: str, cache: KVCache, num_qo_heads: int | None = None) -> AttentionBackend:
@@ -238,7 +235,7 @@ def _build_head_runner(
         target.cache.device,
     )
     backend = _make_backend(model_cfg.attention_backend, cache, a.num_heads)
-    return EagleRunner(head, cache, backend)  # type: ignore[arg-type]
+    return EagleRunner(head, cache, backend)
 
 
 class ExecutionEngine:
