@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import IO
 
@@ -124,32 +123,71 @@ def save_draft(model: nn.Module, target_dir: Path, out_dir: Path, meta: dict) ->
     return out_dir
 
 
-def record_step(
-    entry: dict,
-    history: list[dict],
-    log: IO[str],
-    bar: tqdm,
-    save: Callable[[], object],
-    total: int,
-    save_every: int,
-    stop_after: int | None,
-    time_limit_s: float | None,
-    started: float,
-    postfix: dict[str, str],
-) -> bool:
-    """A trainer's bookkeeping after optimizer step `entry["step"]`: history, log line,
-    progress bar, a checkpoint every `save_every` steps, at the end and when this call stops.
-    Returns True when the call stops here early (`stop_after` / `time_limit_s`); the next
-    call resumes from that checkpoint."""
-    step = entry["step"]
-    history.append(entry)
-    log.write(json.dumps(entry) + "\n")
-    log.flush()
-    bar.update(1)
-    bar.set_postfix(**postfix)
-    interrupted = (stop_after is not None and step >= stop_after) or (
-        time_limit_s is not None and time.monotonic() - started > time_limit_s
-    )
-    if step % save_every == 0 or step == total or interrupted:
-        save()
-    return interrupted and step < total
+class TrainingRun:
+    """The bookkeeping a trainer shares: resume from the latest checkpoint in `ckpt_dir`, then
+    per optimizer step append the log line, move the progress bar and checkpoint every
+    `save_every` steps, at the last one and when this call stops early (`stop_after` steps,
+    `time_limit_s` seconds); the next call resumes from there."""
+
+    def __init__(
+        self,
+        work_dir: Path,
+        ckpt_dir: Path,
+        log_name: str,
+        desc: str,
+        model: nn.Module,
+        opt: torch.optim.Optimizer,
+        sched: torch.optim.lr_scheduler.LRScheduler,
+        config: dict,
+        may_change: tuple[str, ...],
+        total: int,
+        save_every: int,
+        stop_after: int | None,
+        time_limit_s: float | None,
+        progress: bool,
+    ) -> None:
+        self.ckpt_dir, self.model, self.opt, self.sched = ckpt_dir, model, opt, sched
+        self.config, self.total, self.save_every = config, total, save_every
+        self.stop_after, self.time_limit_s = stop_after, time_limit_s
+        self.step, self.history = 0, []
+        last = latest_checkpoint(ckpt_dir)
+        if last is not None:
+            state = load_checkpoint(last, model, opt, sched, config, may_change)
+            self.step, self.history = state["step"], state["history"]
+        work_dir.mkdir(parents=True, exist_ok=True)
+        self.log: IO[str] = (work_dir / log_name).open("a")
+        self.bar = tqdm(
+            total=total, initial=self.step, unit="step", desc=desc, disable=not progress
+        )
+        self.started = time.monotonic()
+
+    @property
+    def finished(self) -> bool:
+        return self.step >= self.total
+
+    def record(self, entry: dict, **postfix: str) -> bool:
+        """Book optimizer step `entry["step"]`; True when this call stops here early."""
+        self.step = entry["step"]
+        self.history.append(entry)
+        self.log.write(json.dumps(entry) + "\n")
+        self.log.flush()
+        self.bar.update(1)
+        self.bar.set_postfix(**postfix)
+        interrupted = (self.stop_after is not None and self.step >= self.stop_after) or (
+            self.time_limit_s is not None and time.monotonic() - self.started > self.time_limit_s
+        )
+        if self.step % self.save_every == 0 or self.step == self.total or interrupted:
+            save_checkpoint(
+                self.ckpt_dir,
+                self.step,
+                self.model,
+                self.opt,
+                self.sched,
+                self.config,
+                self.history,
+            )
+        return interrupted and not self.finished
+
+    def close(self) -> None:
+        self.bar.close()
+        self.log.close()

@@ -30,14 +30,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
-from adaserve.distill.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    record_step,
-    save_checkpoint,
-)
+from adaserve.distill.checkpoint import TrainingRun
 from adaserve.distill.data import Sequences
 from adaserve.distill.train import EpochOrder, lr_factor
 from adaserve.exec.model.eagle import EagleHead, head_from_target, save_eagle_head
@@ -319,57 +313,49 @@ def train_eagle(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.min_lr_ratio)
     )
-    result = EagleResult(step=0, total_steps=total, finished=False)
-    ckpt_dir = work_dir / "eagle-checkpoints"
-    last = latest_checkpoint(ckpt_dir)
-    if last is not None:
-        state = load_checkpoint(last, head, opt, sched, run_config, _RESUMABLE_CHANGES)
-        result.step, result.history = state["step"], state["history"]
+    run = TrainingRun(
+        work_dir,
+        work_dir / "eagle-checkpoints",
+        "eagle_log.jsonl",
+        "eagle",
+        head,
+        opt,
+        sched,
+        run_config,
+        _RESUMABLE_CHANGES,
+        total,
+        cfg.save_every,
+        stop_after,
+        time_limit_s,
+        progress,
+    )
+    result = EagleResult(step=run.step, total_steps=total, finished=False, history=run.history)
     order = EpochOrder(data, cfg)  # type: ignore[arg-type]
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log = (work_dir / "eagle_log.jsonl").open("a")
-    bar = tqdm(total=total, initial=result.step, unit="step", desc="eagle", disable=not progress)
-    started = time.monotonic()
-    while result.step < total:
+    while not run.finished:
         t0 = time.monotonic()
         # The noise draw of step k is a function of (seed, k): a resumed run repeats it.
-        torch.manual_seed(cfg.seed * 1_000_003 + result.step)
-        ids, f, mask = _batch(data, feats, order[result.step], cfg.max_len)
+        torch.manual_seed(cfg.seed * 1_000_003 + run.step)
+        ids, f, mask = _batch(data, feats, order[run.step], cfg.max_len)
         loss, info = eagle_loss(head, ids, f, mask, cfg)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        result.step += 1
         entry = {
-            "step": result.step,
+            "step": run.step + 1,
             "loss": float(loss.detach()),
             **info,
             "lr": sched.get_last_lr()[0],
             "tokens_per_s": int(mask.sum()) / (time.monotonic() - t0),
-            "minutes": (time.monotonic() - started) / 60,
+            "minutes": (time.monotonic() - run.started) / 60,
         }
-        if held_out is not None and cfg.eval_every and result.step % cfg.eval_every == 0:
+        if held_out is not None and cfg.eval_every and entry["step"] % cfg.eval_every == 0:
             entry["eval_agreement"] = held_out_agreement(head, *held_out, cfg.max_len)
-        if record_step(
-            entry,
-            result.history,
-            log,
-            bar,
-            lambda: save_checkpoint(
-                ckpt_dir, result.step, head, opt, sched, run_config, result.history
-            ),
-            total,
-            cfg.save_every,
-            stop_after,
-            time_limit_s,
-            started,
-            {"loss": f"{entry['loss']:.3f}", "agree": f"{info.get('agree1', 0):.2f}"},
-        ):
+        if run.record(entry, loss=f"{entry['loss']:.3f}", agree=f"{info.get('agree1', 0):.2f}"):
             break
-    bar.close()
-    log.close()
+    run.close()
+    result.step = run.step
     result.finished = result.step >= total
     if result.finished:
         if held_out is not None:

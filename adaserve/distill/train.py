@@ -21,15 +21,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm import tqdm
 
-from adaserve.distill.checkpoint import (
-    latest_checkpoint,
-    load_checkpoint,
-    record_step,
-    save_checkpoint,
-    save_draft,
-)
+from adaserve.distill.checkpoint import TrainingRun, save_draft
 from adaserve.distill.data import Sequences
 from adaserve.distill.evaluate import (
     autocast,
@@ -246,40 +239,32 @@ def train(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, total, cfg.warmup_steps, cfg.min_lr_ratio)
     )
-    result = TrainResult(step=0, total_steps=total, finished=False)
-    ckpt_dir = work_dir / "checkpoints"
-    last = latest_checkpoint(ckpt_dir)
-    if last is not None:
-        state = load_checkpoint(last, draft, opt, sched, run_config, _RESUMABLE_CHANGES)
-        result.step, result.history = state["step"], state["history"]
-    bar = tqdm(total=total, initial=result.step, unit="step", desc="distill", disable=not progress)
-    started = time.monotonic()
+    run = TrainingRun(
+        work_dir,
+        work_dir / "checkpoints",
+        "train_log.jsonl",
+        "distill",
+        draft,
+        opt,
+        sched,
+        run_config,
+        _RESUMABLE_CHANGES,
+        total,
+        cfg.save_every,
+        stop_after,
+        time_limit_s,
+        progress,
+    )
+    result = TrainResult(step=run.step, total_steps=total, finished=False, history=run.history)
     order = EpochOrder(data, cfg)
-    work_dir.mkdir(parents=True, exist_ok=True)
-    log = (work_dir / "train_log.jsonl").open("a")
-    while result.step < total:
-        entry = _optimizer_step(target, draft, data, order, result.step, cfg, opt, sched)
-        result.step += 1
-        if held_out is not None and cfg.eval_every and result.step % cfg.eval_every == 0:
+    while not run.finished:
+        entry = _optimizer_step(target, draft, data, order, run.step, cfg, opt, sched)
+        if held_out is not None and cfg.eval_every and entry["step"] % cfg.eval_every == 0:
             entry["eval_agreement"] = model_agreement(target, draft, held_out, dev)
-        if record_step(
-            entry,
-            result.history,
-            log,
-            bar,
-            lambda: save_checkpoint(
-                ckpt_dir, result.step, draft, opt, sched, run_config, result.history
-            ),
-            total,
-            cfg.save_every,
-            stop_after,
-            time_limit_s,
-            started,
-            {"loss": f"{entry['loss']:.3f}", "agree": f"{entry['agreement']:.2f}"},
-        ):
+        if run.record(entry, loss=f"{entry['loss']:.3f}", agree=f"{entry['agreement']:.2f}"):
             break
-    bar.close()
-    log.close()
+    run.close()
+    result.step = run.step
     result.finished = result.step >= total
     if result.finished:
         if held_out is not None:

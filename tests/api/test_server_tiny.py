@@ -270,13 +270,7 @@ def test_shutdown_finishes_running_streams_then_stops_the_engine(tiny_llama) -> 
 
 def test_drain_timeout_ends_running_streams_with_finish_reason_abort(tiny_llama) -> None:
     engine = make_engine(tiny_llama)
-    step = engine.step
-
-    def slow_step():  # a 300-token stream would take ~30 s
-        time.sleep(0.1)
-        return step()
-
-    engine.step = slow_step  # type: ignore[method-assign]
+    gate = Gate(engine)
     srv = ThreadServer(build_app(engine, ServerConfig()), shutdown_timeout_s=1.0).__enter__()
     lines: list[str] = []
 
@@ -288,17 +282,22 @@ def test_drain_timeout_ends_running_streams_with_finish_reason_abort(tiny_llama)
     reader = threading.Thread(target=read_stream)
     reader.start()
     wait_for(lambda: engine.has_unfinished(), 10, "the stream to reach the engine")
+    gate.open.clear()  # the stream cannot finish on its own while the drain runs
     started = time.monotonic()
     stopper = threading.Thread(target=srv.stop)
     stopper.start()  # SIGTERM
     wait_for(lambda: srv.app.state.serving.draining, 10, "draining to start")
     health = httpx.get(f"{srv.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    timer = srv.server._drain_timer
+    wait_for(lambda: timer is not None and not timer.is_alive(), 10, "the drain timeout")
+    gate.open.set()  # one more step, then the engine applies the abort
     reader.join(30)
     stopper.join(30)
     took = time.monotonic() - started
     final = json.loads(lines[-2].removeprefix("data: "))
     assert final["choices"][0]["finish_reason"] == "abort", final
+    assert len(lines) < 300, "the stream ran to its end instead of being aborted"
     assert lines[-1] == "data: [DONE]", "the aborted stream did not end cleanly"
     assert took < 6, f"SIGTERM to exit took {took:.1f} s with a 1 s drain timeout"
     assert not srv.thread.is_alive(), "server did not exit"
