@@ -253,17 +253,12 @@ class AsyncEngine:
         return Accepted(list(ids))
 
     def _slo_refusal(self, params: SamplingParams) -> Refused | None:
-        """--admission slo: refuse a request whose TPOT SLO the current load cannot meet."""
-        slo = params.slo_tpot_ms
-        if self.admission != "slo" or slo is None:
+        """--admission slo: refuse a request when the current load cannot meet its TPOT SLO
+        or admitting it would break an admitted request's (`Scheduler.slo_refusal`)."""
+        if self.admission != "slo":
             return None
-        tpot = self.engine.scheduler.predicted_tpot_s()
-        if tpot is None or 1000 * tpot <= slo:
-            return None
-        return Refused(
-            f"slo_tpot_ms {slo:g} cannot be met at the current load (about {1000 * tpot:.0f} "
-            "ms per token predicted); retry later or relax slo_tpot_ms"
-        )
+        why = self.engine.scheduler.slo_refusal(params.slo_tpot_ms)
+        return None if why is None else Refused(why)
 
     def _check_fits_cache(self, num_prompt_tokens: int) -> None:
         # A prompt that can never be admitted would wait forever; say so now instead.

@@ -217,6 +217,14 @@ class ServerMetrics:
             buckets=STAGE_BUCKETS_S,
             registry=r,
         )
+        self.host_s = Histogram(
+            "adaserve_iteration_host_seconds",
+            "Wall time per iteration outside model forwards (scheduling, sampling, "
+            "detokenizing, streaming, admitting), counted while the engine stays busy",
+            ["kind"],
+            buckets=STAGE_BUCKETS_S,
+            registry=r,
+        )
         # Same meaning as vLLM's spec_decode_* counters, so existing dashboards read them.
         self.spec_drafts = Counter(
             "adaserve_spec_decode_num_drafts",
@@ -335,6 +343,8 @@ class ServerMetrics:
         self.iterations.labels(stats.kind).inc()
         self.prefill_tokens.inc(stats.prefill_tokens)
         self.iteration_s.labels(stats.kind).observe(stats.total_s)
+        if stats.host_s is not None:
+            self.host_s.labels(stats.kind).observe(stats.host_s)
         if stats.kind != "decode":
             return
         self.tree_tokens.observe(stats.tree_tokens)

@@ -16,6 +16,7 @@ DRAFT_TOKENS = "adaserve_spec_decode_num_draft_tokens_total"
 DRAFTS = "adaserve_spec_decode_num_drafts_total"
 ITERATIONS = "adaserve_iterations_total"  # label kind = prefill | decode
 DECODE_KIND = "decode"
+HOST_SECONDS = "adaserve_iteration_host_seconds"  # histogram, label kind
 
 # Suffixes shared with vLLM's names, so its counters are found too.
 _SUFFIXES = {
@@ -32,6 +33,10 @@ def parse_counters(text: str) -> dict[str, float]:
         for s in family.samples:
             if s.name == ITERATIONS and s.labels.get("kind") == DECODE_KIND:
                 found["decode_iterations"] = found.get("decode_iterations", 0.0) + s.value
+                continue
+            if s.name in (f"{HOST_SECONDS}_sum", f"{HOST_SECONDS}_count"):
+                key = "host_seconds" if s.name.endswith("_sum") else "host_iterations"
+                found[key] = found.get(key, 0.0) + s.value
                 continue
             for key, suffix in _SUFFIXES.items():
                 # Exact name first; a foreign prefix only if ours is absent.
@@ -61,7 +66,14 @@ def delta_summary(
     """What the replay added to the counters, and the means derived from them."""
     if before is None or after is None:
         return None
-    keys = ("decode_iterations", "accepted_tokens", "draft_tokens", "drafts")
+    keys = (
+        "decode_iterations",
+        "accepted_tokens",
+        "draft_tokens",
+        "drafts",
+        "host_seconds",
+        "host_iterations",
+    )
     d = {k: (after[k] - before.get(k, 0.0)) if k in after else None for k in keys}
     return {
         **d,
@@ -70,4 +82,10 @@ def delta_summary(
         # Per request and iteration; +1 (the bonus token) gives tokens emitted per step.
         "mean_accepted_tokens_per_request_step": _ratio(d["accepted_tokens"], d["drafts"]),
         "acceptance_rate": _ratio(d["accepted_tokens"], d["draft_tokens"]),
+        # Wall time per iteration outside model forwards (what `adaserve simulate
+        # --host-overhead-ms` adds to simulate this server), in ms.
+        "mean_host_overhead_ms": _ratio(
+            None if d["host_seconds"] is None else 1000.0 * d["host_seconds"],
+            d["host_iterations"],
+        ),
     }

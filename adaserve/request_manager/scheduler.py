@@ -51,6 +51,11 @@ class IterationStats:
     select_s: float = 0.0
     verify_s: float = 0.0
     total_s: float = 0.0
+    forward_s: float = 0.0  # the target forward alone
+    # Wall time of the iteration outside model forwards: scheduling, sampling, detokenizing,
+    # and what the serving loop did since the previous iteration ended (streaming, new
+    # requests). None after an idle engine (the gap then is waiting, not work).
+    host_s: float | None = None
 
     @property
     def budget_utilization(self) -> float:
@@ -87,6 +92,11 @@ class Scheduler:
         # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
         # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
         self.tokens_per_request = 1.0
+        # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
+        # forward the cost model predicts plus this, which TPOT predictions must count.
+        self.host_s = 0.0
+        self._busy_until: float | None = None  # end of the last iteration, while work remains
+        self._host_samples = 0
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
             cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
@@ -160,7 +170,36 @@ class Scheduler:
         reqs = [*self.running, *self.prefilling, *self.waiting]
         n = min(len(reqs) + 1, self.cfg.max_num_seqs)
         context = sum(r.num_tokens for r in reqs[:n])
-        return self.cost.predict(n, context) / self.tokens_per_request
+        return self.iteration_s(n, context) / self.tokens_per_request
+
+    def iteration_s(self, tokens: int, context: int) -> float:
+        """Predicted wall time of an iteration whose forward runs `tokens` tokens."""
+        assert self.cost is not None
+        return self.cost.predict(tokens, context) + self.host_s
+
+    def slo_refusal(self, slo_tpot_ms: float | None) -> str | None:
+        """Why a request with this TPOT SLO should be refused now, or None to admit it.
+
+        Refused when the predicted TPOT with it admitted exceeds its own SLO, or the tightest
+        SLO among the requests already admitted: a lenient request that would push the
+        others past theirs is refused too, so admitted requests keep their SLOs."""
+        tpot = self.predicted_tpot_s()
+        if tpot is None:
+            return None
+        ms = 1000.0 * tpot
+        if slo_tpot_ms is not None and ms > slo_tpot_ms:
+            return (
+                f"slo_tpot_ms {slo_tpot_ms:g} cannot be met at the current load (about "
+                f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
+            )
+        admitted = [r.params.slo_tpot_ms for r in (*self.running, *self.prefilling, *self.waiting)]
+        held = min((s for s in admitted if s is not None), default=None)
+        if held is not None and ms > held:
+            return (
+                f"admitting this request would slow the requests being served past their "
+                f"slo_tpot_ms {held:g} (about {ms:.0f} ms per token predicted); retry later"
+            )
+        return None
 
     def fail(self, req: Request, exc: BaseException) -> None:
         """Work of `req` alone raised: finish it with reason "error" (KV freed, an error id
@@ -238,8 +277,10 @@ class Scheduler:
         self._failed: list[Request] = []
         self._admit()
         if not (self.running or self.prefilling):
+            self._busy_until = None
             return []
         start = self.clock()
+        gap = None if self._busy_until is None else start - self._busy_until
         if not self.cfg.chunked_prefill and self.prefilling:
             decoding: list[Request] = []  # a whole-prompt prefill iteration, as before chunking
             shape, cut_short = None, []
@@ -270,6 +311,11 @@ class Scheduler:
         end = self.clock()
         stats.verify_s = end - t_verify
         stats.total_s = end - start
+        if gap is not None:
+            stats.host_s = max(0.0, gap + stats.total_s - stats.forward_s - stats.draft_s)
+            rate = max(0.1, 1.0 / (self._host_samples + 1))  # the mean until 10 samples
+            self.host_s += rate * (stats.host_s - self.host_s)
+            self._host_samples += 1
         self.planner.after_iteration(
             plan, len(decoding), stats.accepted_tokens, stats.num_tokens, context, stats.total_s
         )
@@ -278,6 +324,8 @@ class Scheduler:
             per = (stats.emitted_tokens - stats.prefill_requests) / len(decoding)
             self.tokens_per_request += 0.1 * (max(per, 1.0) - self.tokens_per_request)
         self._retire_finished()
+        busy = self.running or self.prefilling or self.waiting
+        self._busy_until = self.clock() if busy else None
         out = cut_short + changed
         return out + [r for r in self._failed if r not in out]
 
@@ -299,7 +347,7 @@ class Scheduler:
         assert self.cost is not None
         tree_tokens = sum(len(s) for s in plan.selections)
         budget = chunk_tokens(
-            self.cost.predict,
+            self.iteration_s,
             decoding,
             plan.expected_tokens,
             self.prefilling,
@@ -373,6 +421,7 @@ class Scheduler:
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
         now = self.clock()
         stats.padded_tokens = pad_to
+        stats.forward_s = now - t_forward
         if self.cost is not None:
             self.cost.observe(
                 pad_to, context + sum(r.num_cached for r, _ in chunks), now - t_forward

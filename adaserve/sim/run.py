@@ -68,6 +68,7 @@ class SimSetup:
     max_model_len: int = DEFAULT_MAX_MODEL_LEN
     prefix_caching: bool = True
     host_time: bool = False
+    host_overhead_s: float = 0.0  # added after every iteration (the server's host time)
     noise: float = 0.0
     seed: int = 0
     drafter: str = "auto"  # model | suffix | auto (model when a draft cost exists)
@@ -152,6 +153,8 @@ def simulate(
             live.append((pending[i], _add(sched, pending[i], i, rng)))
             i += 1
         changed = sched.step()
+        if setup.host_overhead_s and sched.last_stats is not None and sched.last_stats is not last:
+            clock.advance(setup.host_overhead_s)
         if on_step is not None:
             on_step(sched)
         st = sched.last_stats
@@ -265,6 +268,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="count this machine's scheduling time too (only when simulating this machine)",
     )
+    p.add_argument(
+        "--host-overhead-ms",
+        type=float,
+        default=0.0,
+        help="wall time per iteration outside model forwards, as a real server spends it "
+        "streaming and scheduling (`adaserve bench` reports the server's own as "
+        "server_metrics.mean_host_overhead_ms)",
+    )
     p.add_argument("--noise", type=float, default=0.0, help="log-normal sigma of forward times")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
@@ -290,6 +301,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         max_model_len=a.max_model_len,
         prefix_caching=not a.no_prefix_caching,
         host_time=a.host_time,
+        host_overhead_s=a.host_overhead_ms / 1000.0,
         noise=a.noise,
         seed=a.seed,
         drafter=a.drafter,
@@ -345,6 +357,7 @@ def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
         "max_blocks_used": sim.max_blocks_used,
         "seed": setup.seed,
         "host_time": setup.host_time,
+        "host_overhead_ms": 1000.0 * setup.host_overhead_s,
         "wall_s": sim.wall_s,
     }
     return result

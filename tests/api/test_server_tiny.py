@@ -360,3 +360,22 @@ def test_slo_admission_refuses_an_slo_the_load_cannot_meet(tiny_llama) -> None:
         assert metric(m, "adaserve_requests_rejected_total", reason="slo_unattainable") == 1
     with ThreadServer(build_app(engine, ServerConfig())) as srv:  # admission queue: admitted
         assert complete(srv.url, max_tokens=4, slo_tpot_ms=10).status_code == 200
+
+
+def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> None:
+    from tests.virtual_time import slow_forwards
+
+    # A decode iteration over n requests costs 50 ms + 20 ms per request.
+    engine = slow_forwards(make_engine(tiny_llama, max_num_seqs=8), lambda n: 0.05 + 0.02 * n)
+    sched = engine.scheduler
+    assert sched.slo_refusal(100) is None, "alone: about 70 ms per token"
+    held = engine.add_request(PROMPT, SamplingParams(max_tokens=64, slo_tpot_ms=80))
+    # A second request would make every token about 90 ms: it would break the admitted 80 ms
+    # SLO, so it is refused however lenient its own SLO (or without one).
+    for slo in (1000, None):
+        why = sched.slo_refusal(slo)
+        assert why is not None and "past their slo_tpot_ms 80" in why, why
+    why = sched.slo_refusal(85)
+    assert why is not None and "slo_tpot_ms 85 cannot be met" in why, why
+    engine.abort(held.request_id)
+    assert sched.slo_refusal(1000) is None, "the tight request left: room again"

@@ -157,3 +157,31 @@ def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
         tight.append_token(3, now - 0.3 + 0.03 * t)
     assert chunk_tokens(linear_cost, [tight], [1.0], [waiting], **args) == 16, "minimum chunk"
     assert chunk_tokens(linear_cost, [], [], [waiting], **args) == 400, "idle: whole prompt"
+
+
+def test_host_time_between_iterations_is_measured_and_chunks_leave_room_for_it(target):
+    # Forwards cost 10 ms + 1 ms per token; the serving loop spends 40 ms between iterations
+    # (streaming, detokenizing): a stream with a 60 ms TPOT SLO has ~9 ms left per iteration
+    # for prefill chunks, not the 50 ms the forward cost alone would suggest.
+    e = slow_forwards(
+        engine(target, "incremental", chunked=True, max_prefill_chunk=128, min_prefill_chunk=1),
+        lambda n: 0.01 + 0.001 * n,
+    )
+    clock, sched = e.engine.clock, e.scheduler
+    params = SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, slo_tpot_ms=60)
+    stream = e.add_request([5, 6, 7, 8], params)
+    e.step()
+    assert sched.last_stats.host_s is None, "the first iteration after idle has no host time"
+    for _ in range(5):
+        clock.advance(0.04)
+        e.step()
+    assert sched.last_stats.host_s == pytest.approx(0.04)
+    assert sched.host_s == pytest.approx(0.04)
+    e.add_request([(3 * j) % 90 + 2 for j in range(400)], SamplingParams(max_tokens=2))
+    while e.has_unfinished():
+        clock.advance(0.04)
+        e.step()
+    times = stream.metrics.token_times
+    gaps = [1000 * (b - a) for a, b in zip(times, times[1:])]
+    # Counting only the forward, the chunks would be ~50 tokens and the gaps ~100 ms.
+    assert max(gaps) <= 66.0, f"gaps up to {max(gaps):.0f} ms: the chunks ignored host time"

@@ -86,6 +86,21 @@ def test_incremental_with_a_constant_cost_reproduces_closed_form_latency() -> No
     assert [r.tpot_ms for r in many.records] == pytest.approx([1000 * c] * 8, abs=1e-9)
 
 
+def test_host_overhead_is_added_per_iteration_and_seen_by_the_scheduler() -> None:
+    c, h = 0.030, 0.012
+    # Each iteration lasts its forward plus the server's host time: TPOT = c + h.
+    run = simulate(bench_requests(1, 0.0), setup("incremental", ConstantCost(c), host_overhead_s=h))
+    (r,) = run.records
+    assert r.tpot_ms == pytest.approx(1000 * (c + h), abs=1e-9)
+    seen = []
+    simulate(
+        bench_requests(2, 0.1),
+        setup("incremental", ConstantCost(c), host_overhead_s=h),
+        on_step=lambda sched: seen.append(sched.host_s),
+    )
+    assert seen[-1] == pytest.approx(h), "the scheduler's own host-time estimate"
+
+
 @pytest.mark.parametrize("policy", ["adaserve", "adaserve_paper", "global_greedy", "specinfer"])
 def test_the_budget_and_the_kv_pool_bind_as_in_the_real_engine(policy: str) -> None:
     # 12 requests x (40 prompt + 48 output) tokens need 66 blocks of 16; the pool has 24,
