@@ -1,11 +1,16 @@
-"""Online model of a model runner's forward time: free per-token-count curve plus context slope.
+"""Online model of a model runner's forward time: a free curve in the token count, plus a
+context slope per token count.
 
-    T(n, c) = g(bucket(n)) + a * c,        a >= 0
+    T(n, c) = g(bucket(n)) + a(bucket(n)) * c,        a >= 0
 
 n is the number of tokens in the forward, c the context tokens attended. bucket(n) is n for
 n <= 32 and the next power of two above; a sample of 40 tokens counts in bucket 64, and a
-prediction for 40 tokens interpolates between g(32) and g(64).
+prediction for 40 tokens interpolates between buckets 32 and 64.
 g is free: on a CPU the second token costs more than eight (no linearity, no monotonicity).
+The slope is per bucket because attention work is query-key pairs, not context: a decode
+forward of n tokens over c context tokens does about c pairs, a 256-token prefill chunk over
+c cached tokens about 256 c. One shared slope, fitted mostly on prefill chunks, priced a
+decode iteration over long contexts at seconds (2.2 s predicted for a 120 ms forward).
 
 Fit: weighted least squares with exponential forgetting, kept as sufficient statistics per
 bucket k over its samples i (weights w_i, context x_i = c_i / 1024, time y_i):
@@ -14,17 +19,19 @@ bucket k over its samples i (weights w_i, context x_i = c_i / 1024, time y_i):
 
 A new sample in bucket k first multiplies bucket k's statistics by `forget`. Forgetting is per
 bucket, not global, so a rarely used bucket keeps its value instead of fading because others
-were busy. Minimising sum_k sum_i w_i (g_k + a x_i - y_i)^2 + lambda (a - a_0)^2 gives g_k in
-closed form for a given a, and a from the pooled within-bucket regression:
+were busy. Minimising sum_i w_i (g_k + a_k x_i - y_i)^2 + lambda (a_k - a_0)^2 per bucket:
 
-    a = (sum_k [XY_k - X_k Y_k / W_k] + lambda a_0) / (sum_k [XX_k - X_k^2 / W_k] + lambda)
-    a <- max(a, 0),   g_k = (Y_k - a X_k) / W_k
+    a_k = max((XY_k - X_k Y_k / W_k + lambda a_0) / (XX_k - X_k^2 / W_k + lambda), 0)
+    g_k = (Y_k - a_k X_k) / W_k
 
-lambda is a small ridge (a -> a_0 = 0 when contexts never vary) or, after from_coefficients,
-the weight of the profiled slope. Seeds are pseudo-samples in the same statistics (they fade
-as their bucket is observed). Buckets with neither seed nor sample are interpolated linearly in
-n between known buckets, held flat below the smallest, and extrapolated above the largest with
-the last segment's slope (never negative).
+lambda is a ridge worth one sample at 1024 tokens of context spread. a_0 is the stored slope
+of a model from from_coefficients, else the pooled slope of the bucket's regime (decode-sized
+buckets up to 32 tokens, prefill-sized above: sum of covariances over sum of spreads), else 0:
+a bucket whose contexts barely varied borrows its neighbours' evidence. Seeds are
+pseudo-samples in the same statistics (they fade as their bucket is observed). Buckets with
+neither seed nor sample are interpolated linearly in n between known buckets (g and a), held
+flat below the smallest, and extrapolated above the largest with the last segment's slope in
+n for g (never negative) and the last a.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
-_SLOPE_RIDGE = 1e-3  # pseudo-weight pulling an unidentified slope to its prior
+_SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
 
 
@@ -43,7 +50,8 @@ class CostCoefficients(TypedDict):
     """Fitted coefficients, as written into a profile JSON."""
 
     g_s: dict[int, float]  # bucket size -> g, seconds (known buckets only)
-    slope_s_per_token: float  # a, seconds per context token
+    slopes_s_per_token: dict[int, float]  # bucket size -> a, seconds per context token
+    slope_s_per_token: float  # the buckets' slopes pooled (weighted by their context spread)
 
 
 def bucket_of(tokens: int) -> int:
@@ -64,7 +72,7 @@ _MEMO_SIZE = 4096
 
 
 class ForwardCostModel:
-    """Online T(n, c) = g(bucket(n)) + a * c for one model runner, in seconds."""
+    """Online T(n, c) = g(bucket(n)) + a(bucket(n)) * c for one model runner, in seconds."""
 
     def __init__(
         self,
@@ -86,13 +94,15 @@ class ForwardCostModel:
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
+        self._slope_priors: dict[int, float] = {}  # per-bucket a_0 (from a stored model)
         self._slope_weight = _SLOPE_RIDGE
         self.num_observations = 0
         self.num_rejected = 0
         self._dirty = True
-        self._slope = 0.0
+        self._slope = 0.0  # pooled, for reporting
         self._knots: list[int] = []  # known buckets, ascending
         self._values: list[float] = []  # g at the knots, seconds
+        self._slopes: list[float] = []  # a at the knots, seconds per context token
         # (tokens, context) -> predicted seconds, until the next fit: selection and pruning
         # ask for the same few shapes thousands of times per iteration.
         self._memo: dict[tuple[int, int], float] = {}
@@ -140,17 +150,17 @@ class ForwardCostModel:
         self.num_observations += 1
         lo = k // 2
         if k != tokens and lo in self._stats:
-            # predict() interpolates g between buckets lo and k, so this sample says
-            #   (1 - f) g(lo) + f g(k) + a c = y,   f = (tokens - lo) / (k - lo)
-            # With g(lo) at its current fit that is g(k) + a (c / f) = (y - (1 - f) g(lo)) / f,
-            # with weight f^2 (the exact least-squares term). Taking the sample as g(k) itself
-            # would price every forward of 33-63 tokens at 64's cost, and so pull g(64) down
-            # to the smaller forwards' times.
+            # predict() interpolates between buckets lo and k, so this sample says
+            #   (1 - f) T_lo(c) + f T_k(c) = y,   f = (tokens - lo) / (k - lo)
+            # With T_lo at its current fit that is g(k) + a(k) c = (y - (1 - f) T_lo(c)) / f,
+            # with weight f^2 (the exact least-squares term). Taking the sample as a bucket-k
+            # one would price every forward of 33-63 tokens at 64's cost, and so pull g(64)
+            # down to the smaller forwards' times.
             f = (tokens - lo) / (k - lo)
             if self._dirty:
                 self._solve()
-            target = (seconds - (1.0 - f) * self._g(lo)) / f
-            self._add_scaled(k, context / f, target, f * f)
+            low = self._g(lo) + self._a(lo) * context
+            self._add_scaled(k, context, (seconds - (1.0 - f) * low) / f, f * f)
             return True
         self._add(tokens, context, float(seconds), 1.0, decay=self.forget)
         return True
@@ -158,37 +168,47 @@ class ForwardCostModel:
     # ---- fit -----------------------------------------------------------------------------
 
     def _solve(self) -> None:
-        num = self._slope_weight * self._slope_prior * _CONTEXT_SCALE
-        den = self._slope_weight
-        for w, x, xx, y, xy in self._stats.values():
-            num += xy - x * y / w
-            den += max(xx - x * x / w, 0.0)
-        slope = max(num / den, 0.0)  # seconds per _CONTEXT_SCALE tokens
         self._knots = sorted(self._stats)
-        self._values = [
-            (self._stats[k][3] - slope * self._stats[k][1]) / self._stats[k][0] for k in self._knots
-        ]
-        self._slope = slope / _CONTEXT_SCALE
+        lam = self._slope_weight
+        # First pass: each bucket's own slope (toward the stored prior) and its context spread.
+        fits = {}
+        for k in self._knots:
+            w, x, xx, y, xy = self._stats[k]
+            spread = max(xx - x * x / w, 0.0)
+            prior = self._slope_priors.get(k, self._slope_prior) * _CONTEXT_SCALE
+            fits[k] = (spread, xy - x * y / w, prior)
+        # A bucket whose contexts barely varied borrows the pooled slope of its regime
+        # (decode-sized forwards up to 32 tokens, prefill-sized above) unless a stored model
+        # gave it its own.
+        pooled = {}
+        for small in (True, False):
+            members = [k for k in self._knots if (k <= _EXACT_BUCKETS) == small]
+            spread = sum(fits[k][0] for k in members)
+            cov = sum(fits[k][1] for k in members)
+            pooled[small] = max(cov / spread, 0.0) if spread > 0 else None
+        self._values, self._slopes = [], []
+        for k in self._knots:
+            w, x, _, y, _ = self._stats[k]
+            spread, cov, prior = fits[k]
+            borrowed = pooled[k <= _EXACT_BUCKETS]
+            if k not in self._slope_priors and borrowed is not None:
+                prior = borrowed
+            a = max((cov + lam * prior) / (spread + lam), 0.0)  # seconds per 1024 tokens
+            self._values.append((y - a * x) / w)
+            self._slopes.append(a / _CONTEXT_SCALE)
+        total = sum(f[0] for f in fits.values())
+        mean = sum(f[0] * a for f, a in zip(fits.values(), self._slopes)) / total if total else 0.0
+        self._slope = mean
         self._dirty = False
         self._memo.clear()
 
     def _g(self, k: int) -> float:
         """g at bucket k: fitted, or interpolated / extrapolated from the known buckets."""
-        knots, values = self._knots, self._values
-        if not knots:
-            return 0.0
-        i = bisect.bisect_left(knots, k)
-        if i < len(knots) and knots[i] == k:
-            return values[i]
-        if i == 0:
-            return values[0]
-        if i == len(knots):
-            if len(knots) == 1:
-                return values[-1]
-            step = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
-            return values[-1] + max(step, 0.0) * (k - knots[-1])
-        k0, k1, v0, v1 = knots[i - 1], knots[i], values[i - 1], values[i]
-        return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
+        return _interpolate(self._knots, self._values, k, extend=True)
+
+    def _a(self, k: int) -> float:
+        """The context slope at bucket k, the same way (held at the last beyond the largest)."""
+        return _interpolate(self._knots, self._slopes, k, extend=False)
 
     def predict(self, tokens: int, context: int) -> float:
         """Predicted forward seconds for `tokens` tokens over `context` tokens (0 with no data)."""
@@ -199,13 +219,14 @@ class ForwardCostModel:
             return hit
         _check(tokens, context)
         k = bucket_of(tokens)
-        g = self._g(k)
+        value = self._g(k) + self._a(k) * context
         if k != tokens:
             # Between two power-of-two buckets a forward runs at its own size (padding is
             # the caller's choice): interpolate rather than price it at the next bucket.
             lo = k // 2
-            g = self._g(lo) + (g - self._g(lo)) * (tokens - lo) / (k - lo)
-        value = max(g + self._slope * context, 0.0)
+            low = self._g(lo) + self._a(lo) * context
+            value = low + (value - low) * (tokens - lo) / (k - lo)
+        value = max(value, 0.0)
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
         self._memo[(tokens, context)] = value
@@ -229,40 +250,80 @@ class ForwardCostModel:
     # ---- persistence -----------------------------------------------------------------------
 
     def coefficients(self) -> CostCoefficients:
-        """Per-bucket g of the known buckets and the context slope a."""
+        """Per-bucket g and context slope a of the known buckets, and the pooled slope."""
         if self._dirty:
             self._solve()
-        return {"g_s": dict(zip(self._knots, self._values)), "slope_s_per_token": self._slope}
+        return {
+            "g_s": dict(zip(self._knots, self._values)),
+            "slopes_s_per_token": dict(zip(self._knots, self._slopes)),
+            "slope_s_per_token": self._slope,
+        }
 
     @classmethod
     def from_coefficients(
         cls,
         g_s: Mapping[int, float],
-        slope_s_per_token: float,
+        slope_s_per_token: float | Mapping[int, float],
         weight: float = 3.0,
         **kwargs: Any,
     ) -> ForwardCostModel:
-        """A model seeded with a profile: each g value and the slope count as `weight` samples."""
-        if slope_s_per_token < 0:
-            raise ValueError(f"slope_s_per_token must be >= 0, got {slope_s_per_token}")
+        """A model seeded with a profile: each g value and its bucket's slope (one slope for
+        every bucket, or one per bucket) count as `weight` samples."""
+        slopes = (
+            dict(slope_s_per_token)
+            if isinstance(slope_s_per_token, Mapping)
+            else dict.fromkeys(g_s, float(slope_s_per_token))
+        )
+        if any(a < 0 for a in slopes.values()):
+            raise ValueError(f"context slopes must be >= 0, got {slope_s_per_token}")
         model = cls(**kwargs)
         model.seed(((int(n), 0, float(g)) for n, g in g_s.items()), weight=weight)
-        model._slope_prior = float(slope_s_per_token)
+        model._slope_priors = {int(k): float(a) for k, a in slopes.items()}
+        if not isinstance(slope_s_per_token, Mapping):
+            model._slope_prior = float(slope_s_per_token)
         model._slope_weight = weight
         return model
 
     def to_json(self) -> str:
         """The coefficients as a JSON object (bucket keys as strings)."""
         coef = self.coefficients()
-        g_s = {str(k): v for k, v in coef["g_s"].items()}
-        return json.dumps({"g_s": g_s, "slope_s_per_token": coef["slope_s_per_token"]})
+        return json.dumps(
+            {
+                "g_s": {str(k): v for k, v in coef["g_s"].items()},
+                "slopes_s_per_token": {str(k): v for k, v in coef["slopes_s_per_token"].items()},
+                "slope_s_per_token": coef["slope_s_per_token"],
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str, weight: float = 3.0, **kwargs: Any) -> ForwardCostModel:
-        """Inverse of to_json: a model seeded with the stored coefficients."""
+        """Inverse of to_json: a model seeded with the stored coefficients (a model stored
+        before per-bucket slopes gives its one slope to every bucket)."""
         data = json.loads(text)
         g_s = {int(k): float(v) for k, v in data["g_s"].items()}
+        if "slopes_s_per_token" in data:
+            slopes = {int(k): float(v) for k, v in data["slopes_s_per_token"].items()}
+            return cls.from_coefficients(g_s, slopes, weight, **kwargs)
         return cls.from_coefficients(g_s, float(data["slope_s_per_token"]), weight, **kwargs)
+
+
+def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) -> float:
+    """values at k: exact at a knot, linear between knots, flat below the first; above the
+    last, the last segment's rise (never falling) when `extend`, else flat."""
+    if not knots:
+        return 0.0
+    i = bisect.bisect_left(knots, k)
+    if i < len(knots) and knots[i] == k:
+        return values[i]
+    if i == 0:
+        return values[0]
+    if i == len(knots):
+        if len(knots) == 1 or not extend:
+            return values[-1]
+        step = (values[-1] - values[-2]) / (knots[-1] - knots[-2])
+        return values[-1] + max(step, 0.0) * (k - knots[-1])
+    k0, k1, v0, v1 = knots[i - 1], knots[i], values[i - 1], values[i]
+    return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
 
 
 class DraftCostModel:

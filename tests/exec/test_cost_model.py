@@ -58,6 +58,27 @@ def test_recovers_a_non_monotonic_cost_curve():
     assert model.num_observations == 3000 and model.num_rejected == 0, "clean samples rejected"
 
 
+def test_prefill_chunks_do_not_teach_decode_forwards_their_context_cost():
+    """Attention work is query-key pairs: a 256-token chunk over c cached tokens does 256 c
+    of them, a decode forward over c context tokens c. A slope shared by both priced decode
+    iterations over long contexts at seconds."""
+    pair_s = 2e-6
+    model = ForwardCostModel()
+    rng = random.Random(6)
+    for _ in range(600):
+        sample(model, rng, 1, slope=pair_s)  # decode-like: 1-16 tokens, 100-8000 context
+        cached = rng.randint(0, 2000)  # a prefill chunk over its request's cached tokens
+        model.observe(256, cached, (0.5 + 256 * pair_s * cached) * rng.uniform(0.97, 1.03))
+    for tokens, context in ((8, 16000), (16, 30000), (4, 500)):
+        want = g_cpu(tokens) + pair_s * context
+        got = model.predict(tokens, context)
+        assert got == pytest.approx(want, rel=0.1), (
+            f"T({tokens}, {context}) = {got * 1e3:.0f} ms, true {want * 1e3:.0f} ms"
+        )
+    want = 0.5 + 256 * pair_s * 1500
+    assert model.predict(256, 1500) == pytest.approx(want, rel=0.05), "chunk cost lost"
+
+
 def test_follows_a_change_in_cost():
     model = ForwardCostModel()
     rng = random.Random(1)
