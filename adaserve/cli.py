@@ -224,6 +224,13 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "Retry-After (default: unbounded)",
     )
     p.add_argument(
+        "--record-cost-model",
+        default=None,
+        metavar="FILE",
+        help="at shutdown, write the forward cost model this server fitted while serving to "
+        "FILE, a profile for `adaserve simulate --cost-model FILE`",
+    )
+    p.add_argument(
         "--default-slo-tpot-ms",
         type=_positive_float,
         default=d.default_slo_tpot_ms,
@@ -323,6 +330,12 @@ def run_serve(a: argparse.Namespace) -> int:
     if acc is not None:
         acc.close()
         log.info("recorded %d verified trees to %s", acc.num_trees, acc.path)
+    cost = engine.scheduler.cost
+    if a.record_cost_model and cost is not None:
+        from adaserve.exec.profile import record_cost_model
+
+        path = record_cost_model(engine.engine, cost, engine.sched_cfg.budget, a.record_cost_model)
+        log.info("wrote the fitted cost model to %s", path)
     ctl = engine.scheduler.controller
     if cached_profile and ctl is not None and ctl.verify_cost.num_observations > 0:
         # What the server measured while it ran is a better start for the next one.

@@ -450,6 +450,34 @@ def refresh_startup_profile(engine: ExecutionEngine, cost_model: ForwardCostMode
     return replace(prof, cost_model=json.loads(cost_model.to_json())).save(path)
 
 
+def record_cost_model(
+    engine: ExecutionEngine, cost_model: ForwardCostModel, budget: int, path: str | Path
+) -> Path:
+    """A profile of what a running server measured: its online cost model (forwards as they
+    cost while serving: other threads, the clients, the host's own load) and points read off
+    it, for `adaserve simulate --cost-model` (or `serve --profile`)."""
+    counts = sorted({*range(1, 9), 12, 16, 32, 64, budget})
+    points = tuple(
+        LatencyPoint(n, ctx, 1000.0 * cost_model.predict(n, ctx * len(_split(n, NUM_SEQS))))
+        for ctx in (64, BUDGET_CONTEXT, 1024)
+        for n in counts
+    )
+    baseline = 1000.0 * cost_model.predict(BASELINE_BATCH, BASELINE_BATCH * BASELINE_INPUT)
+    prof = Profile(
+        device=str(engine.target.device),
+        model=engine.target_path.name,
+        draft_model=engine.draft_path.name if engine.draft_path is not None else None,
+        target=points,
+        draft=(),
+        budget=budget,
+        budget_factor=DEFAULT_BUDGET_FACTOR,
+        budget_context=BUDGET_CONTEXT,
+        baseline_latency_ms=baseline,
+        cost_model=json.loads(cost_model.to_json()),
+    )
+    return prof.save(path)
+
+
 # ---------------------------------------------------------------------------- command line
 def add_arguments(p: argparse.ArgumentParser) -> None:
     m, c = ModelConfig(), CacheConfig()

@@ -212,6 +212,27 @@ def test_a_real_run_records_acceptance_the_simulator_reads(tiny_llama, tmp_path:
     assert all(r.completed for r in run.records)
 
 
+def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
+    tiny_llama, tmp_path: Path
+) -> None:
+    from adaserve import LLM, SamplingParams
+    from adaserve.exec.profile import record_cost_model
+
+    llm = LLM(model=str(tiny_llama), policy="incremental")
+    llm.generate([list(range(5, 60))] * 4, SamplingParams(max_tokens=16, temperature=0.0))
+    fitted = llm.llm_engine.scheduler.cost
+    assert fitted is not None and fitted.num_observations > 0
+    path = record_cost_model(llm.llm_engine.engine, fitted, 16, tmp_path / "served.json")
+    loaded = load_cost(str(path)).target
+    for tokens, context in ((1, 50), (4, 300), (16, 2000), (40, 100)):
+        assert loaded.seconds(tokens, context, 0) == pytest.approx(
+            fitted.predict(tokens, context), rel=1e-9
+        ), f"T({tokens}, {context}) changed on the way"
+    assert Profile.load(path).t_spec_s(16) > 0, "not a usable profile"
+    run = simulate(bench_requests(3, 0.05), SimSetup(load_cost(str(path)), None, SchedulerConfig()))
+    assert all(r.completed for r in run.records)
+
+
 def test_roofline_matches_the_hardware_it_names() -> None:
     a100 = GPUS["a100-80g"]
     cost = RooflineCost(MODELS["llama-2-7b"], a100)
