@@ -92,6 +92,11 @@ class Scheduler:
         # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
         # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
         self.tokens_per_request = 1.0
+        # Recent decode iterations as they ran (EMA, None before the first): wall time from
+        # one start to the next (forward, prefill chunks riding along, drafting, host time),
+        # forward tokens per decoding request, and decoding requests.
+        self.decode_period_s: float | None = None
+        self._forward_tokens_per_request = 1.0
         # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
         # forward the cost model predicts plus this, which TPOT predictions must count.
         self.host_s = 0.0
@@ -161,16 +166,28 @@ class Scheduler:
             self.drafter.on_release(req)
 
     def predicted_tpot_s(self) -> float | None:
-        """Seconds per output token a request admitted now would see once it decodes: the
-        cost model's time of a decode iteration over everyone here plus it (at most
-        max_num_seqs, one token each), over the tokens per request iterations have recently
-        emitted. None without a cost model (nothing to predict from)."""
+        """Seconds per output token a request admitted now would see once it decodes, over
+        the tokens per request iterations have recently emitted. The iteration: the cost
+        model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
+        one token each), or, while requests decode, the recent iteration period scaled by
+        the cost model from the running batch to that one, if longer (it has what the cost
+        of one token each misses: prefill chunks riding along, tree tokens, drafting).
+        None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
         reqs = [*self.running, *self.prefilling, *self.waiting]
         n = min(len(reqs) + 1, self.cfg.max_num_seqs)
         context = sum(r.num_tokens for r in reqs[:n])
-        return self.iteration_s(n, context) / self.tokens_per_request
+        iteration = self.iteration_s(n, context)
+        if self.running and self.decode_period_s is not None:
+            per = self._forward_tokens_per_request
+            now = self.iteration_s(
+                max(1, round(per * len(self.running))), sum(r.num_tokens for r in self.running)
+            )
+            after = self.iteration_s(max(1, round(per * n)), context)
+            if now > 0:
+                iteration = max(iteration, self.decode_period_s * after / now)
+        return iteration / self.tokens_per_request
 
     def iteration_s(self, tokens: int, context: int) -> float:
         """Predicted wall time of an iteration whose forward runs `tokens` tokens."""
@@ -323,6 +340,14 @@ class Scheduler:
         if decoding:
             per = (stats.emitted_tokens - stats.prefill_requests) / len(decoding)
             self.tokens_per_request += 0.1 * (max(per, 1.0) - self.tokens_per_request)
+            if stats.host_s is not None:  # busy since the last iteration: a true period
+                period = stats.total_s + gap
+                last = self.decode_period_s
+                self.decode_period_s = period if last is None else last + 0.2 * (period - last)
+                tokens = stats.num_tokens / len(decoding)
+                self._forward_tokens_per_request += 0.2 * (
+                    tokens - self._forward_tokens_per_request
+                )
         self._retire_finished()
         busy = self.running or self.prefilling or self.waiting
         self._busy_until = self.clock() if busy else None
