@@ -23,6 +23,7 @@ were busy. Minimising sum_i w_i (g_k + a_k x_i - y_i)^2 + lambda (a_k - a_0)^2 p
 
     a_k = max((XY_k - X_k Y_k / W_k + lambda a_0) / (XX_k - X_k^2 / W_k + lambda), 0)
     g_k = (Y_k - a_k X_k) / W_k
+    (if g_k < 0: g_k = 0, a_k = max((XY_k + lambda a_0) / (XX_k + lambda), 0): through 0)
 
 lambda is a ridge worth one sample at 1024 tokens of context spread. a_0 is the stored slope
 of a model from from_coefficients, else the pooled slope of the bucket's regime (decode-sized
@@ -194,7 +195,13 @@ class ForwardCostModel:
             if k not in self._slope_priors and borrowed is not None:
                 prior = borrowed
             a = max((cov + lam * prior) / (spread + lam), 0.0)  # seconds per 1024 tokens
-            self._values.append((y - a * x) / w)
+            g = (y - a * x) / w
+            if g < 0:
+                # A steep slope over contexts far from 0 can put the intercept below zero,
+                # pricing the same forward over a short context at nothing: fit through 0.
+                _, _, xx, _, xy = self._stats[k]
+                g, a = 0.0, max((xy + lam * prior) / (xx + lam), 0.0)
+            self._values.append(g)
             self._slopes.append(a / _CONTEXT_SCALE)
         total = sum(f[0] for f in fits.values())
         mean = sum(f[0] * a for f, a in zip(fits.values(), self._slopes)) / total if total else 0.0

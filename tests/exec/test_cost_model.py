@@ -79,6 +79,20 @@ def test_prefill_chunks_do_not_teach_decode_forwards_their_context_cost():
     assert model.predict(256, 1500) == pytest.approx(want, rel=0.05), "chunk cost lost"
 
 
+def test_a_forward_over_a_short_context_never_costs_nothing():
+    """Big forwards seen only over long contexts, whose cost grows faster than linearly: a
+    straight line through them crosses zero before context 0. The intercept is held at 0."""
+    true = lambda c: 0.1 + 1e-11 * c**3  # noqa: E731
+    model = ForwardCostModel()
+    rng = random.Random(7)
+    for _ in range(300):
+        c = rng.randint(2000, 4000)
+        model.observe(512, c, true(c) * rng.uniform(0.98, 1.02))
+    assert model.coefficients()["g_s"][512] >= 0.0
+    assert model.predict(512, 100) > 0.01, "a 512-token forward priced at nothing"
+    assert model.predict(512, 3000) == pytest.approx(true(3000), rel=0.25)
+
+
 def test_follows_a_change_in_cost():
     model = ForwardCostModel()
     rng = random.Random(1)
