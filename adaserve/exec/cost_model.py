@@ -161,7 +161,11 @@ class ForwardCostModel:
             if self._dirty:
                 self._solve()
             low = self._g(lo) + self._a(lo) * context
-            self._add_scaled(k, context, (seconds - (1.0 - f) * low) / f, f * f)
+            implied = (seconds - (1.0 - f) * low) / f
+            # Dividing by a small f amplifies any error in T_lo: keep what the sample can
+            # mean, a k-token forward costing at least this one and at most k/tokens of it.
+            implied = min(max(implied, seconds), seconds * k / tokens)
+            self._add_scaled(k, context, implied, f * f)
             return True
         self._add(tokens, context, float(seconds), 1.0, decay=self.forget)
         return True

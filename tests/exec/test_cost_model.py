@@ -181,6 +181,17 @@ def test_forwards_between_two_buckets_do_not_drag_the_upper_bucket_down():
         assert model.predict(n, 0) == pytest.approx(true(n), rel=0.03), f"{n} tokens mispriced"
 
 
+def test_a_mispriced_lower_bucket_does_not_blow_up_the_upper_one():
+    """A 300-token forward is priced between buckets 256 and 512 (f = 0.17); its implied
+    512-token cost divides by f, so an error in bucket 256 is amplified six-fold. It stays
+    between the sample's own time and k / tokens of it."""
+    model = ForwardCostModel()
+    model.seed([(256, 0, 0.05)])  # ten times too cheap
+    for _ in range(50):
+        model.observe(300, 0, 0.6)
+    assert 0.6 <= model.predict(512, 0) <= 0.6 * 512 / 300 + 1e-9
+
+
 def test_json_round_trip():
     model = ForwardCostModel()
     sample(model, random.Random(4), 1000)
