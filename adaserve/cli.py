@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from adaserve.config import (
+    BACKENDS,
     DRAFTERS,
     DTYPES,
     POLICIES,
@@ -76,6 +77,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
     p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
     p.add_argument("--device", default=m.device, help="cpu or cuda[:N]")
     p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=m.backend,
+        help="who runs the target: ggml = a GGUF model in its own quantization on llama.cpp "
+        "(CPU, `pip install adaserve[cpu]`), torch = this package's model code; auto = ggml "
+        "for a GGUF model on the CPU when llama-cpp-python is installed (default: auto)",
+    )
+    p.add_argument(
         "--max-model-len",
         type=int,
         default=m.max_model_len,
@@ -136,6 +145,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         policy=a.policy,
         dtype=a.dtype,
         device=a.device,
+        backend=a.backend,
         max_model_len=a.max_model_len,
         seed=a.seed,
         block_size=a.block_size,
@@ -314,7 +324,12 @@ def run_serve(a: argparse.Namespace) -> int:
                 a.profile or "start-up profile",
             )
     sched = engine.scheduler
-    log.info("policy %s, drafter %s", a.policy, sched.drafter.name if sched.drafter else "none")
+    log.info(
+        "policy %s, drafter %s, backend %s",
+        a.policy,
+        sched.drafter.name if sched.drafter else "none",
+        engine.engine.backend,
+    )
     cfg = ServerConfig(
         host=a.host,
         port=a.port,

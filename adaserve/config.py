@@ -21,6 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 # auto: the named draft (a draft model, or an EAGLE head: drafter "eagle"), else the suffix
 # index (every model speculates).
 DRAFTERS = ("auto", "model", "eagle", "suffix", "model+suffix", "eagle+suffix")
+BACKENDS = ("auto", "torch", "ggml")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ModelConfig:
     max_model_len: int | None = None
     # "auto": flashinfer on CUDA when installed and the dtype is float16/bfloat16, else torch.
     attention_backend: str = "auto"
+    # Who runs the target (BACKENDS): "torch" (this package's model code, any device),
+    # "ggml" (a GGUF model in its own quantization on llama.cpp, CPU; the `cpu` extra), or
+    # "auto": ggml for a GGUF model on the CPU when llama-cpp-python is installed, else torch.
+    backend: str = "auto"
     # Replay draft steps 2..d from CUDA graphs where the attention backend allows (FlashInfer).
     cuda_graphs: bool = True
     # Seed for requests that give none, so runs repeat.
@@ -55,6 +60,8 @@ class ModelConfig:
             raise ValueError(f"draft_vocab_size must be >= 1 or None, got {self.draft_vocab_size}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.drafter == "suffix" and self.draft_model is not None:
             raise ValueError(
                 "drafter 'suffix' uses no draft model; drop draft_model or use drafter "

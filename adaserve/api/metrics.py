@@ -287,6 +287,12 @@ class ServerMetrics:
             ["policy", "drafter"],
             registry=r,
         )
+        self.backend_info = Gauge(
+            "adaserve_backend_info",
+            "Who runs the target model: torch or ggml (llama.cpp)",
+            ["backend"],
+            registry=r,
+        )
         # Make every label combination visible from the start (a class with no traffic yet
         # shows 0 instead of being absent, which dashboards and tests read more easily).
         for name in [c for c, _ in slo_classes] + [NO_SLO_CLASS]:

@@ -60,6 +60,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     drafter = engine.scheduler.drafter
     drafter_name = drafter.name if drafter is not None else "none"
     metrics.drafter_info.labels(engine.sched_cfg.policy, drafter_name).set(1)
+    metrics.backend_info.labels(getattr(engine.engine, "backend", "torch")).set(1)
     async_engine = AsyncEngine(engine, metrics, cfg.admission)
     name = served_model_name(engine, cfg)
     serving = OpenAIServing(async_engine, cfg, name, engine.sched_cfg.max_waiting)

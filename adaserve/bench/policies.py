@@ -94,6 +94,12 @@ def main() -> None:
         help="int8 dynamic quantization of the draft's linear layers (e.g. with --draft-model "
         "set to the target itself: the int8 target as its own draft)",
     )
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        choices=("auto", "torch", "ggml"),
+        help="who runs the target (auto: ggml for a GGUF model when installed)",
+    )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median counts")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -104,7 +110,7 @@ def main() -> None:
     slos = [s or None for s in args.slos]
     print(
         f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms, "
-        f"drafter {args.drafter} {args.draft_model or ''}\n"
+        f"drafter {args.drafter} {args.draft_model or ''}, backend {args.backend}\n"
     )
     print(
         "| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
@@ -120,7 +126,12 @@ def main() -> None:
         ):
             continue
         engine = LLMEngine(
-            ModelConfig(model=args.model, draft_model=args.draft_model, drafter=args.drafter),
+            ModelConfig(
+                model=args.model,
+                draft_model=args.draft_model,
+                drafter=args.drafter,
+                backend=args.backend,
+            ),
             CacheConfig(),
             SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
         )

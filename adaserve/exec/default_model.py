@@ -32,6 +32,14 @@ def default_model_dir() -> Path:
     return convert_gguf(gguf_file, out)
 
 
+def default_gguf_file() -> Path:
+    """The default model's GGUF file (what the ggml backend runs), fetched if missing."""
+    gguf_file = cache_root() / "downloads" / GGUF_NAME
+    if not gguf_file.exists():
+        _fetch_gguf(gguf_file)
+    return gguf_file
+
+
 def _fetch_gguf(dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:

@@ -91,6 +91,9 @@ class SequenceBatchBuilder:
 class ModelRunner:
     """One model, its KV cache and attention backend."""
 
+    # forward(pad_to=...) runs the extra rows (the controller pads when that is cheaper).
+    supports_padding = True
+
     def __init__(self, model: LlamaForCausalLM, cache: KVCache, backend: AttentionBackend) -> None:
         self.model, self.cache, self.backend = model, cache, backend
         self.device = cache.device
@@ -220,6 +223,57 @@ def _build_runner(
     return ModelRunner(model, cache, backend)
 
 
+def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path | None]:
+    """("torch", None) or ("ggml", the GGUF file it runs), as `model_cfg.backend` asks."""
+    from adaserve.exec.ggml import ggml_available
+    from adaserve.exec.loader import gguf_source
+
+    if model_cfg.backend == "torch":
+        return "torch", None
+    cpu = torch.device(model_cfg.device).type == "cpu"
+    gguf = gguf_source(model_cfg.model, target_path) if cpu else None
+    if model_cfg.backend == "auto":
+        # An EAGLE head reads the target's torch weights (embedding, LM head, features).
+        eagle = model_cfg.resolved_drafter.startswith("eagle")
+        fits = gguf is not None and not eagle and ggml_available()
+        return ("ggml", gguf) if fits else ("torch", None)
+    if not cpu:
+        raise ValueError(f"backend 'ggml' runs on the CPU; device is {model_cfg.device!r}")
+    if gguf is None:
+        raise ValueError(
+            f"backend 'ggml' runs GGUF models; {target_path} came from no GGUF file that "
+            "adaserve knows of: pass the .gguf file as the model"
+        )
+    if not ggml_available():
+        raise ValueError(
+            "backend 'ggml' needs llama-cpp-python: pip install 'adaserve[cpu]' (it builds "
+            "llama.cpp from source, a few minutes on first install)"
+        )
+    return "ggml", gguf
+
+
+# Most cells of the ggml backend's KV cache when sized from memory: llama.cpp walks every cell
+# to drop or copy a sequence, so a cache far larger than the traffic costs time each step.
+MAX_GGML_CACHE_TOKENS = 65536
+
+
+def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig):
+    from adaserve.exec.ggml import GgmlRunner
+    from adaserve.exec.loader import load_args
+
+    args = load_args(target_path)
+    if cache_cfg.num_blocks is not None:
+        tokens = cache_cfg.num_blocks * cache_cfg.block_size
+    else:
+        # llama.cpp stores K and V in float16.
+        per_block = KVCache.bytes_per_block(
+            args.num_layers, cache_cfg.block_size, args.num_kv_heads, args.head_dim, torch.float16
+        )
+        blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, torch.device("cpu"))
+        tokens = min(blocks * cache_cfg.block_size, MAX_GGML_CACHE_TOKENS)
+    return GgmlRunner(gguf, args, tokens, cache_cfg.block_size, n_batch=2048)
+
+
 def _build_head_runner(
     path: Path, target: ModelRunner, model_cfg: ModelConfig, num_blocks: int, cache_cfg: CacheConfig
 ) -> EagleRunner:
@@ -254,7 +308,14 @@ class ExecutionEngine:
         default target's shipped EAGLE head ("eagle")."""
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
-        self.target = _build_runner(self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg)
+        self.backend, gguf = pick_backend(model_cfg, self.target_path)
+        if self.backend == "ggml":
+            assert gguf is not None
+            self.target = _build_ggml_runner(gguf, self.target_path, cache_cfg)
+        else:
+            self.target = _build_runner(
+                self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg
+            )
         self.cuda_graphs = model_cfg.cuda_graphs
         self.draft_graphs: DraftGraphRunner | None = None  # see enable_draft_graphs
         self.draft: ModelRunner | None = None
@@ -269,6 +330,11 @@ class ExecutionEngine:
                 self.draft_path = resolve_model_path(model_cfg.draft_model)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
             if is_eagle_head(self.draft_path):
+                if self.backend == "ggml":
+                    raise ValueError(
+                        "an EAGLE head reads the target's weights, which the ggml backend does "
+                        "not load into torch; run it with backend 'torch'"
+                    )
                 self.draft = _build_head_runner(
                     self.draft_path, self.target, model_cfg, draft_blocks, cache_cfg
                 )
@@ -284,7 +350,8 @@ class ExecutionEngine:
         # Automatic prefix caching, one index per KV cache (see exec/prefix_cache.py).
         self.target_prefix: PrefixCache | None = None
         self.draft_prefix: PrefixCache | None = None
-        if cache_cfg.enable_prefix_caching:
+        if cache_cfg.enable_prefix_caching and self.backend == "torch":
+            # (llama.cpp's cache is indexed by sequence, not by block: no prefix sharing yet.)
             self.target_prefix = PrefixCache(self.target.cache)
             if self.draft is not None and not self.draft_is_head:
                 # A head's KV depends on the target's features, not on tokens alone.

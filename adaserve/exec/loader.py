@@ -236,6 +236,28 @@ def convert_gguf(file: Path, out_dir: Path | None = None) -> Path:
         json.dump(config, f, indent=2)
     # transformers builds a fast tokenizer (vocab, merges, chat template) from the GGUF metadata.
     AutoTokenizer.from_pretrained(str(file.parent), gguf_file=file.name).save_pretrained(str(tmp))
+    with open(tmp / GGUF_SOURCE, "w") as f:
+        json.dump({"gguf": str(file)}, f)
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+GGUF_SOURCE = "gguf_source.json"  # in a converted dir: which GGUF file it came from
+
+
+def gguf_source(model: str | os.PathLike | None, path: Path) -> Path | None:
+    """The GGUF file behind a model (None: none known): the model itself when it is a .gguf
+    file, the default model's download, or the file a converted dir records."""
+    if model is not None and Path(model).expanduser().suffix == ".gguf":
+        return Path(model).expanduser().resolve()
+    if model is None:
+        from adaserve.exec.default_model import default_gguf_file
+
+        return default_gguf_file()
+    marker = path / GGUF_SOURCE
+    if marker.exists():
+        with open(marker) as f:
+            source = Path(json.load(f)["gguf"])
+        return source if source.exists() else None
+    return None

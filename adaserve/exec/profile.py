@@ -246,11 +246,19 @@ def time_forward_samples(
         return None
     tables: list[list[int]] = [[] for _ in lens]
     try:
-        builder = SequenceBatchBuilder()
+        builder, warm = SequenceBatchBuilder(), SequenceBatchBuilder()
         for table, q in zip(tables, lens):
             cache.reserve(table, context + q)
             ids = [(context + i) % vocab for i in range(q)]  # any in-vocabulary ids will do
             builder.add(ids, list(range(context, context + q)), context + q, table)
+            if context:
+                warm.add(
+                    list(range(1, context + 1)), list(range(context)), context, table, logits="none"
+                )
+        if context and getattr(runner, "needs_context", False):
+            # A backend whose attention reads only the cells a sequence holds (ggml) would
+            # time a context-free forward: compute the context first.
+            runner.forward(warm.batch)
         samples = []
         for i in range(repeats + 1):  # the first run warms this shape up and is not counted
             _sync(runner.device)
@@ -407,7 +415,11 @@ def startup_profile_path(engine: ExecutionEngine) -> Path:
     """Where the start-up profile of this (target, draft, device, dtype) is cached."""
     from adaserve.exec.loader import cache_root
 
-    dtype = str(next(engine.target.model.parameters()).dtype).removeprefix("torch.")
+    dtype = (
+        "gguf"
+        if getattr(engine, "backend", "torch") == "ggml"
+        else str(next(engine.target.model.parameters()).dtype).removeprefix("torch.")
+    )
     draft = engine.draft_path.name if engine.draft_path is not None else "none"
     key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
     return cache_root() / "profiles" / f"{key}.json"

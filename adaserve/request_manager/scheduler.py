@@ -85,6 +85,14 @@ class Scheduler:
         self.cfg = cfg
         self.engine = engine
         self.clock = engine.clock
+        ids = getattr(engine.target.cache, "num_free_ids", None)
+        if ids is not None and cfg.max_num_seqs + cfg.budget > ids:
+            # ggml: each running request holds a sequence id and each extra leaf of a verified
+            # tree borrows one (at most B leaves in a forward).
+            raise ValueError(
+                f"max_num_seqs {cfg.max_num_seqs} + budget {cfg.budget} exceeds the "
+                f"{ids} sequence ids of the ggml backend; lower max_num_seqs"
+            )
         # Set to an AcceptanceLog to record every verified tree (`--record-acceptance`).
         self.acceptance_log: AcceptanceLog | None = None
         if cfg.record_acceptance is not None:
@@ -448,7 +456,8 @@ class Scheduler:
         if not decoding:
             stats.num_tokens = stats.prefill_tokens
         ctl = self.controller
-        pad_to = total if ctl is None else ctl.pad_to(total, context)
+        pad = ctl is not None and self.engine.target.supports_padding
+        pad_to = ctl.pad_to(total, context) if pad else total
         t_forward = self.clock()
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
         now = self.clock()

@@ -71,6 +71,8 @@ class _Tokenizer:
 class SimRunner:
     """A runner whose forward costs virtual time; `truth` set: it returns target logits."""
 
+    supports_padding = True  # a padded forward costs the padded size's time
+
     def __init__(
         self,
         cost: CostModel,

@@ -1,5 +1,6 @@
-"""The official `openai` client against `adaserve serve` (default model, default policy adaserve):
-greedy output through HTTP is exactly `LLM.generate`'s; bad input gets the right 4xx, never a 500.
+"""The official `openai` client against `adaserve serve` (default model, default policy adaserve,
+the ggml backend when installed): greedy output through HTTP is exactly `LLM.generate`'s; bad
+input gets the right 4xx, never a 500.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ def reference() -> LLM:
 
 
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+def test_the_default_server_runs_on_ggml_when_installed(url: str) -> None:
+    """`make serve` installs the cpu extra: the default GGUF model then runs on llama.cpp, and
+    every test in this module exercises the ggml backend (CI installs it too)."""
+    from adaserve.exec.ggml import ggml_available
+
+    want = "ggml" if ggml_available() else "torch"
+    assert metric(read_metrics(url), "adaserve_backend_info", backend=want) == 1.0
 
 
 def test_models_lists_the_served_model(client: openai.OpenAI) -> None:

@@ -1,0 +1,454 @@
+"""The ggml backend: a GGUF model run by llama.cpp in its own quantization, on the CPU.
+
+It sits behind the torch engine's runner interface (`forward(ForwardBatch) -> logits`, a
+`cache` with block tables), so the scheduler, every policy and drafter, the server and the
+metrics run unchanged. llama.cpp is reached through llama-cpp-python's low-level API (the
+`cpu` extra); nothing here goes through its high-level `Llama` class.
+
+How a plan maps onto llama.cpp:
+- One unified KV cache of `n_ctx` cells shared by every request. A request owns a sequence
+  id; its tokens' cells carry that id. A query token sees exactly the cells that carry its
+  first sequence id at positions up to its own.
+- A verification tree is a set of sequence ids per token. Each leaf of the tree gets an id
+  (one leaf the request's own, the others borrowed for this forward, their context copied
+  from the request's: metadata only, no KV is copied), and a node carries the ids of every
+  leaf below it. A node so sees the request's context and its own ancestors, never a sibling.
+  Accepting a path keeps one leaf's cells up to the accepted depth as the request's and
+  removes every other cell of the tree.
+- Block tables stay the scheduler's currency: this cache hands out virtual blocks of
+  `block_size` cells out of `n_ctx`, so admission, preemption and the KV metrics work as on
+  the torch engine (a request never holds more cells than its blocks cover). A table's first
+  block names its sequence id.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from adaserve.exec.engine import ForwardBatch
+from adaserve.exec.kv_cache import BlockAllocator, NoFreeBlocksError
+
+# llama.cpp's flash attention on the CPU skips masked cells and tiles: with many requests in
+# one shared cache every query row would otherwise pay for every request's cells.
+FLASH_ATTN_ENABLED = 1
+# Largest forward llama.cpp computes at once (tokens per micro-batch); bigger batches split.
+MAX_UBATCH = 512
+
+
+def ggml_available() -> bool:
+    """llama-cpp-python is installed (the `cpu` extra)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _lib():
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ImportError(
+            "the ggml backend needs llama-cpp-python: pip install 'adaserve[cpu]' "
+            "(it builds llama.cpp from source, a few minutes on first install)"
+        ) from exc
+    return llama_cpp
+
+
+_log_callback = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
+
+
+def _quiet(lc) -> None:
+    """Send llama.cpp's own logging nowhere (errors still reach us as return codes)."""
+    global _log_callback
+    if _log_callback is None:
+        _log_callback = lc.llama_log_callback(lambda level, text, data: None)
+        lc.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
+class LlamaCppContext:
+    """One llama.cpp model and context: unified KV, flash attention, per-token sequence ids."""
+
+    def __init__(self, gguf: Path, n_ctx: int, n_batch: int, n_threads: int | None = None):
+        lc = _lib()
+        self.lc = lc
+        _quiet(lc)
+        lc.llama_backend_init()
+        self.max_seqs = int(lc.llama_max_parallel_sequences())
+        mp = lc.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        self.model = lc.llama_model_load_from_file(str(gguf).encode(), mp)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model it knows?)")
+        threads = self.threads = n_threads or len(os.sched_getaffinity(0))
+        cp = lc.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = min(n_batch, MAX_UBATCH)
+        cp.n_seq_max = self.max_seqs
+        cp.n_threads = threads
+        cp.n_threads_batch = threads
+        cp.kv_unified = True
+        cp.flash_attn_type = FLASH_ATTN_ENABLED
+        cp.embeddings = False
+        self.ctx = lc.llama_init_from_model(self.model, cp)
+        if not self.ctx:
+            lc.llama_model_free(self.model)
+            raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} cells")
+        self.n_ctx = int(lc.llama_n_ctx(self.ctx))
+        self.n_batch = int(lc.llama_n_batch(self.ctx))
+        self.mem = lc.llama_get_memory(self.ctx)
+        self.n_vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model)))
+        self.n_embd = int(lc.llama_model_n_embd(self.model))
+        self._embeddings = False
+        # The batch struct points into these arrays for the context's whole life.
+        n, k = self.n_batch, self.max_seqs
+        self._tok = np.zeros(n, np.int32)
+        self._pos = np.zeros(n, np.int32)
+        self._nsid = np.zeros(n, np.int32)
+        self._seqs = np.zeros((n, k), np.int32)
+        self._out = np.zeros(n, np.int8)
+        self._rows = (self._seqs.ctypes.data + np.arange(n) * self._seqs.strides[0]).astype(
+            np.uintp
+        )
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        self._batch = lc.llama_batch()
+        self._batch.token = self._tok.ctypes.data_as(i32)
+        self._batch.embd = ctypes.cast(0, ctypes.POINTER(ctypes.c_float))
+        self._batch.pos = self._pos.ctypes.data_as(i32)
+        self._batch.n_seq_id = self._nsid.ctypes.data_as(i32)
+        self._batch.seq_id = self._rows.ctypes.data_as(ctypes.POINTER(i32))
+        self._batch.logits = self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def close(self) -> None:
+        if getattr(self, "ctx", None):
+            self.lc.llama_free(self.ctx)
+            self.ctx = None
+        if getattr(self, "model", None):
+            self.lc.llama_model_free(self.model)
+            self.model = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    # -------------------------------------------------------------- sequence memory
+    def seq_rm(self, seq: int, p0: int = -1, p1: int = -1) -> None:
+        """Drop `seq` from its cells at positions [p0, p1) (-1: open end); a cell no sequence
+        holds any more is free."""
+        self._check_seq(seq)
+        self.lc.llama_memory_seq_rm(self.mem, seq, p0, p1)
+
+    def seq_cp(self, src: int, dst: int, p0: int = -1, p1: int = -1) -> None:
+        """`dst` also holds `src`'s cells at positions [p0, p1). llama.cpp does not check that
+        `dst` holds none of them yet (it would count them twice): callers clear `dst` first."""
+        self._check_seq(src)
+        self._check_seq(dst)
+        self.lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """Last position `seq` holds, -1 if none."""
+        self._check_seq(seq)
+        return int(self.lc.llama_memory_seq_pos_max(self.mem, seq))
+
+    def seq_pos_min(self, seq: int) -> int:
+        self._check_seq(seq)
+        return int(self.lc.llama_memory_seq_pos_min(self.mem, seq))
+
+    def seq_state(self, seq: int) -> bytes:
+        """The sequence's KV as llama.cpp serializes it (positions, then K and V of every
+        cell it holds): what tests compare to check the cache holds what it should."""
+        self._check_seq(seq)
+        size = int(self.lc.llama_state_seq_get_size(self.ctx, seq))
+        buf = (ctypes.c_uint8 * size)()
+        n = int(self.lc.llama_state_seq_get_data(self.ctx, buf, size, seq))
+        return bytes(buf[:n])
+
+    def _check_seq(self, seq: int) -> None:
+        # llama.cpp aborts the process on an id out of range: never let one through.
+        if not 0 <= seq < self.max_seqs:
+            raise ValueError(f"sequence id {seq} outside [0, {self.max_seqs})")
+
+    # -------------------------------------------------------------- forward
+    def set_embeddings(self, on: bool) -> None:
+        """Also return the final hidden states (after the final norm) of every token."""
+        if on != self._embeddings:
+            self.lc.llama_set_embeddings(self.ctx, on)
+            self._embeddings = on
+
+    def decode(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq: np.ndarray,
+        extra_seqs: dict[int, list[int]],
+        want: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One forward; (logits [wanted, vocab], hidden [tokens, embd] or None).
+
+        Token i belongs to sequence seq[i], or to every id of extra_seqs[i] when given (the
+        first of them decides what it attends to). `want[i]`: return its logits.
+        """
+        n = len(tokens)
+        logits, hidden = [], []
+        for lo in range(0, n, self.n_batch):  # llama.cpp aborts on a batch over n_batch
+            hi = min(n, lo + self.n_batch)
+            m = hi - lo
+            self._tok[:m] = tokens[lo:hi]
+            self._pos[:m] = positions[lo:hi]
+            self._seqs[:m, 0] = seq[lo:hi]
+            self._nsid[:m] = 1
+            for i, ids in extra_seqs.items():
+                if lo <= i < hi:
+                    for s in ids:
+                        self._check_seq(s)
+                    self._seqs[i - lo, : len(ids)] = ids
+                    self._nsid[i - lo] = len(ids)
+            out = want[lo:hi]
+            if self._embeddings:
+                out = np.ones(m, bool)  # llama.cpp outputs every row when embedding anyway
+            self._out[:m] = out
+            self._batch.n_tokens = m
+            rc = self.lc.llama_decode(self.ctx, self._batch)
+            if rc != 0:
+                reason = {1: "no free KV cell", 2: "aborted"}.get(rc, "invalid batch")
+                raise RuntimeError(f"llama_decode failed ({rc}: {reason})")
+            n_out = int(out.sum())
+            if n_out:
+                rows = np.ctypeslib.as_array(
+                    self.lc.llama_get_logits(self.ctx), shape=(n_out, self.n_vocab)
+                )
+                keep = want[lo:hi][out.astype(bool)] if self._embeddings else slice(None)
+                logits.append(rows[keep].copy())
+                if self._embeddings:
+                    emb = np.ctypeslib.as_array(
+                        self.lc.llama_get_embeddings(self.ctx), shape=(m, self.n_embd)
+                    )
+                    hidden.append(emb.copy())
+        vocab = np.concatenate(logits) if logits else np.zeros((0, self.n_vocab), np.float32)
+        return vocab, (np.concatenate(hidden) if hidden else None)
+
+
+@dataclass
+class _Tree:
+    """A verified tree's sequence ids, kept from its forward until its commit."""
+
+    start: int  # position of the root
+    leaf_of: list[int]  # per node: the id of one leaf below it (or itself)
+    borrowed: list[int]  # leaf ids taken for this tree; returned at commit
+
+
+class GgmlKVCache:
+    """The scheduler's block-table view of llama.cpp's unified KV cache (see module doc)."""
+
+    def __init__(self, llama: LlamaCppContext, block_size: int) -> None:
+        self.llama = llama
+        self.block_size = block_size
+        self.device = torch.device("cpu")
+        self.allocator = BlockAllocator(llama.n_ctx // block_size)
+        self._seq: dict[int, int] = {}  # first block of a table -> its sequence id
+        self._free_ids = list(range(llama.max_seqs - 1, -1, -1))
+        self._trees: dict[int, _Tree] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_ids(self) -> int:
+        return len(self._free_ids)
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
+        return max(0, -(-num_tokens // self.block_size) - len(block_table))
+
+    def reserve(self, block_table: list[int], num_tokens: int) -> None:
+        need = self.blocks_needed(block_table, num_tokens)
+        if not need:
+            return
+        fresh = not block_table
+        if fresh and not self._free_ids:
+            raise NoFreeBlocksError(
+                f"all {self.llama.max_seqs} llama.cpp sequence ids are in use"
+            )
+        block_table.extend(self.allocator.allocate(need))
+        if fresh:
+            seq = self._free_ids.pop()
+            self.llama.seq_rm(seq)  # a recycled id starts empty
+            self._seq[block_table[0]] = seq
+
+    def seq_of(self, block_table: list[int]) -> int:
+        if not block_table or block_table[0] not in self._seq:
+            raise ValueError("this block table holds no KV: reserve before a forward")
+        return self._seq[block_table[0]]
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None:
+        """Keep the first `num_tokens` positions of the table's sequence, free the rest."""
+        if not block_table:
+            return
+        seq = self._seq[block_table[0]]
+        self._end_tree(seq)
+        self.llama.seq_rm(seq, num_tokens, -1)
+        keep = -(-num_tokens // self.block_size)
+        if len(block_table) > keep:
+            if keep == 0:
+                del self._seq[block_table[0]]
+                self._free_ids.append(seq)
+            self.allocator.free(block_table[keep:])
+            del block_table[keep:]
+
+    def release(self, block_table: list[int]) -> None:
+        self.truncate(block_table, 0)
+
+    def keep_subset(self, block_table: list[int], start: int, keep: list[int]) -> None:
+        """After verification: keep the tree nodes `keep` (the root, then the accepted path,
+        node j at position start + j) as the sequence's, drop every other node."""
+        seq = self.seq_of(block_table)
+        tree = self._trees.get(seq)
+        end = start + len(keep)
+        if tree is not None:
+            if tree.start != start:
+                raise ValueError(f"the verified tree starts at {tree.start}, not {start}")
+            leaf = tree.leaf_of[keep[-1]]
+            if leaf != seq:
+                # The path is another leaf's: take its cells as the request's own.
+                self.llama.seq_rm(seq, start, -1)
+                self.llama.seq_cp(leaf, seq, start, end)
+        elif keep != list(range(len(keep))):
+            raise ValueError(f"no tree was verified for this sequence; cannot keep {keep}")
+        self.truncate(block_table, end)  # drops the rest and returns the borrowed ids
+
+    # -------------------------------------------------------------- trees
+    def begin_tree(self, seq: int, start: int, parents: list[int]) -> list[list[int]]:
+        """Sequence ids per node for a tree whose root sits at `start`: each node gets the ids
+        of the leaves below it, the first leaf being the request's own sequence."""
+        self._end_tree(seq)
+        n = len(parents)
+        has_child = [False] * n
+        for p in parents[1:]:
+            has_child[p] = True
+        leaves = [i for i in range(n) if not has_child[i]]
+        if len(leaves) - 1 > len(self._free_ids):
+            raise NoFreeBlocksError(
+                f"a tree with {len(leaves)} leaves needs {len(leaves) - 1} spare llama.cpp "
+                f"sequence ids, {len(self._free_ids)} are free"
+            )
+        ids = {leaves[0]: seq}
+        borrowed = []
+        for leaf in leaves[1:]:
+            s = self._free_ids.pop()
+            self.llama.seq_rm(s)
+            self.llama.seq_cp(seq, s, 0, start)  # the request's context, shared
+            ids[leaf] = s
+            borrowed.append(s)
+        below: list[list[int]] = [[] for _ in range(n)]
+        for leaf in leaves:  # walk each leaf up to the root
+            v = leaf
+            while v >= 0:
+                below[v].append(ids[leaf])
+                v = parents[v]
+        self._trees[seq] = _Tree(start, [b[0] for b in below], borrowed)
+        return below
+
+    def _end_tree(self, seq: int) -> None:
+        tree = self._trees.pop(seq, None)
+        if tree is not None:
+            for s in tree.borrowed:
+                self.llama.seq_rm(s)
+                self._free_ids.append(s)
+
+
+def parents_from_mask(mask: torch.Tensor, query_len: int) -> list[int] | None:
+    """The tree a verification mask encodes (None: a plain causal chunk).
+
+    Only masks the scheduler builds are accepted: every context column visible, the tree part
+    an ancestor-or-self matrix in topological order.
+    """
+    tree = mask[:, -query_len:]
+    context = mask[:, :-query_len]
+    if not bool(context.all()):
+        raise NotImplementedError("the ggml backend takes tree masks over the full context only")
+    parents = []
+    for i in range(query_len):
+        anc = torch.nonzero(tree[i, :i]).flatten().tolist()
+        parents.append(anc[-1] if anc else -1)
+    if all(p == i - 1 for i, p in enumerate(parents)):
+        return None
+    return parents
+
+
+class GgmlRunner:
+    """The target model on llama.cpp, with the torch `ModelRunner`'s interface."""
+
+    # Attention reads only the cells a sequence holds: profiling must compute a context.
+    needs_context = True
+    # Every token costs about the same here (compute bound): padding never pays, and is ignored.
+    supports_padding = False
+
+    def __init__(self, gguf: Path, args, cache_tokens: int, block_size: int, n_batch: int):
+        self.gguf = Path(gguf)
+        self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch)
+        if self.llama.n_vocab != args.vocab_size:
+            raise ValueError(
+                f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
+            )
+        self.model = SimpleNamespace(args=args)
+        self.cache = GgmlKVCache(self.llama, block_size)
+        self.device = torch.device("cpu")
+        self.backend = None
+        self.capture_hidden = False
+        self.last_hidden: torch.Tensor | None = None
+
+    def forward(self, batch: ForwardBatch, pad_to: int | None = None) -> torch.Tensor | None:
+        """Logits [len(logits_indices), vocab] (float32), as the torch runner returns them.
+
+        `pad_to` is ignored: llama.cpp's cost grows with every token here, padding never pays.
+        """
+        n = len(batch.token_ids)
+        tokens = np.asarray(batch.token_ids, np.int32)
+        positions = np.asarray(batch.positions, np.int32)
+        seq = np.empty(n, np.int32)
+        extra: dict[int, list[int]] = {}
+        start = 0
+        for q, table, mask in zip(batch.query_lens, batch.block_tables, batch.masks):
+            s = self.cache.seq_of(table)
+            first = int(positions[start])
+            if self.llama.seq_pos_max(s) >= first:
+                self.cache.truncate(table, first)  # this forward rewrites those positions
+            seq[start : start + q] = s
+            parents = None if mask is None or q == 1 else parents_from_mask(mask, q)
+            if parents is not None:
+                for j, ids in enumerate(self.cache.begin_tree(s, first, parents)):
+                    seq[start + j] = ids[0]
+                    if len(ids) > 1:
+                        extra[start + j] = ids
+            start += q
+        want = np.zeros(n, bool)
+        if batch.logits_indices is None:
+            want[:] = True
+        else:
+            idx = batch.logits_indices
+            if any(b <= a for a, b in zip(idx, idx[1:])):
+                raise ValueError("logits_indices must be increasing on the ggml backend")
+            want[idx] = True
+        self.llama.set_embeddings(self.capture_hidden)
+        logits, hidden = self.llama.decode(tokens, positions, seq, extra, want)
+        if self.capture_hidden and hidden is not None:
+            self.last_hidden = torch.from_numpy(hidden)
+        if not want.any():
+            return None
+        return torch.from_numpy(logits)
+
+    def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
+        """This backend's own cost curve (tokens, context, seconds) to seed the cost model."""
+        from adaserve.exec.profile import forward_cost_points
+
+        return forward_cost_points(self, max_tokens)
+
+    def close(self) -> None:
+        self.llama.close()

@@ -1,0 +1,241 @@
+"""The ggml backend (llama.cpp via llama-cpp-python) on the default model's own GGUF file.
+
+What is exact here, and what is not (docs/ggml.md): llama.cpp's logits of a token depend,
+by float rounding that its 8-bit activation quantization then amplifies, on where the
+sequence's KV sits in the shared cache. So these tests compare bitwise only where the cell
+order is the same (a tree node against its path alone; a kept path against a fresh prefill),
+and end to end they compare each policy with incremental decoding on one request at a time.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("llama_cpp", reason="the ggml backend needs the `cpu` extra")
+
+from adaserve import LLM, LLMEngine, SamplingParams  # noqa: E402
+from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from adaserve.exec.default_model import default_gguf_file, default_model_dir  # noqa: E402
+from adaserve.exec.engine import SequenceBatchBuilder  # noqa: E402
+from adaserve.exec.ggml import GgmlRunner  # noqa: E402
+from adaserve.exec.loader import load_args  # noqa: E402
+from adaserve.tree.layout import tree_attention_mask  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 504, 3458, 282, 4649, 314, 253, 2115, 30]
+# A tree of 9 nodes, 5 leaves, depth 4 (node 0 is the root: the last committed token).
+PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 7]
+TOKENS = [28, 100, 200, 300, 400, 500, 600, 700, 800]
+
+
+def depths(parents: list[int]) -> list[int]:
+    out = []
+    for p in parents:
+        out.append(0 if p < 0 else out[p] + 1)
+    return out
+
+
+def path_to(parents: list[int], node: int) -> list[int]:
+    path = []
+    while node >= 0:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
+
+
+@pytest.fixture(scope="module")
+def runner():
+    r = GgmlRunner(default_gguf_file(), load_args(default_model_dir()), 2048, 16, 512)
+    yield r
+    r.close()
+
+
+def prefill(runner: GgmlRunner, table: list[int], tokens: list[int], reserve: int) -> torch.Tensor:
+    runner.cache.reserve(table, reserve)
+    b = SequenceBatchBuilder()
+    b.add(tokens, list(range(len(tokens))), len(tokens), table, logits="last")
+    logits = runner.forward(b.batch)
+    assert logits is not None
+    return logits[0]
+
+
+def verify_tree(runner: GgmlRunner, table: list[int]) -> torch.Tensor:
+    n, start = len(TOKENS), len(PROMPT)
+    runner.cache.reserve(table, start + n)
+    b = SequenceBatchBuilder()
+    b.add(
+        TOKENS,
+        [start + d for d in depths(PARENTS)],
+        start + n,
+        table,
+        mask=tree_attention_mask(PARENTS, start),
+    )
+    logits = runner.forward(b.batch)
+    assert logits is not None
+    return logits
+
+
+def test_every_tree_node_gets_the_logits_of_its_path_alone(runner):
+    """Sequence ids per token express the tree: a node attends to its context and its
+    ancestors only, never to a sibling that shares its position."""
+    table: list[int] = []
+    prefill(runner, table, PROMPT, len(PROMPT))
+    tree_logits = verify_tree(runner, table)
+    for node in range(len(PARENTS)):
+        path = path_to(PARENTS, node)
+        expect = prefill_logits_of(runner, PROMPT + [TOKENS[v] for v in path])
+        assert torch.equal(tree_logits[node], expect), f"node {node} (path {path}) differs"
+    runner.cache.release(table)
+    assert runner.cache.num_free_ids == runner.llama.max_seqs
+
+
+def prefill_logits_of(runner: GgmlRunner, tokens: list[int]) -> torch.Tensor:
+    table: list[int] = []
+    try:
+        return prefill(runner, table, tokens, len(tokens))
+    finally:
+        runner.cache.release(table)
+
+
+@pytest.mark.parametrize("accept", [[0, 1, 4, 7, 8], [0, 3], [0, 2, 6], [0]])
+def test_kv_after_accepting_a_path_equals_a_fresh_prefill(runner, accept):
+    """Keep the root and an accepted path (on the request's own leaf, on a borrowed leaf, or
+    none): the sequence's KV, as llama.cpp serializes it (positions, K and V of every cell),
+    is byte for byte that of a fresh prefill of the accepted tokens; every borrowed
+    sequence id is back and holds nothing."""
+    table: list[int] = []
+    prefill(runner, table, PROMPT, len(PROMPT))
+    verify_tree(runner, table)
+    start = len(PROMPT)
+    runner.cache.keep_subset(table, start, accept)
+    seq = runner.cache.seq_of(table)
+    end = start + len(accept)
+    assert (runner.llama.seq_pos_min(seq), runner.llama.seq_pos_max(seq)) == (0, end - 1)
+    assert runner.cache.num_free_ids == runner.llama.max_seqs - 1
+    held = [s for s in range(runner.llama.max_seqs) if runner.llama.seq_pos_max(s) >= 0]
+    assert held == [seq]
+    state = runner.llama.seq_state(seq)
+    assert len(state) > end * 1000  # K and V of 30 layers per cell, not just positions
+    runner.cache.release(table)
+    assert runner.cache.num_free_ids == runner.llama.max_seqs
+    assert runner.llama.seq_pos_max(seq) == -1
+    fresh: list[int] = []
+    prefill(runner, fresh, PROMPT + [TOKENS[v] for v in accept], end)
+    # (The serialized state names the sequence id: the fresh one reuses the freed id.)
+    assert runner.cache.seq_of(fresh) == seq
+    assert runner.llama.seq_state(seq) == state
+    runner.cache.release(fresh)
+
+
+def test_greedy_decoding_equals_llama_cpp_generate(runner):
+    """Our incremental forwards give llama-cpp-python's own greedy tokens (same file)."""
+    import llama_cpp
+
+    ref = llama_cpp.Llama(
+        str(default_gguf_file()),
+        n_ctx=256,
+        n_threads=runner.llama.threads,
+        n_threads_batch=runner.llama.threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    want = []
+    for tok in ref.generate(PROMPT, temp=0.0):
+        want.append(tok)
+        if len(want) == 24:
+            break
+    table: list[int] = []
+    got = [int(prefill(runner, table, PROMPT, len(PROMPT) + 24).argmax())]
+    n = len(PROMPT)
+    while len(got) < 24:
+        b = SequenceBatchBuilder()
+        b.add([got[-1]], [n], n + 1, table)
+        got.append(int(runner.forward(b.batch).argmax()))  # type: ignore[union-attr]
+        n += 1
+    runner.cache.release(table)
+    assert got == want
+
+
+def test_32_requests_with_preemption_and_aborts_leak_nothing():
+    """Continuous batching on llama.cpp's shared cache: 32 requests in a cache too small for
+    them (preemption), trees verified (the suffix drafter borrows sequence ids), some
+    aborted mid-way. Afterwards every block, sequence id and cell is free."""
+    engine = LLMEngine(
+        ModelConfig(backend="ggml", drafter="suffix"),
+        CacheConfig(block_size=16, num_blocks=24),  # 384 cells for 32 x (50..100) tokens
+        SchedulerConfig(policy="adaserve", max_num_seqs=32, budget=16),
+    )
+    runner = engine.engine.target
+    assert isinstance(runner, GgmlRunner)
+    words = "the cat sat on the mat and the dog ran to the park".split()
+    lengths = {}
+    for i in range(32):
+        prompt = " ".join(words[i % 5 :] * 3)  # repeats: the suffix index finds drafts
+        params = SamplingParams(max_tokens=40 + i % 24, temperature=0.0, ignore_eos=True)
+        engine.add_request(prompt, params, request_id=str(i))
+        lengths[str(i)] = params.max_tokens
+    finished, aborted, steps = {}, set(), 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        steps += 1
+        if steps in (5, 12, 20):
+            victim = next(r.request_id for r in engine.scheduler.running)
+            engine.abort(victim)
+            aborted.add(victim)
+    assert engine.scheduler.num_preemptions > 0, "meant to exercise preemption; it did not"
+    for rid, out in finished.items():
+        if rid not in aborted:
+            assert len(out.outputs[0].token_ids) == lengths[rid]
+    assert len(finished) + len(aborted) >= 32
+    cache = runner.cache
+    assert cache.allocator.num_free == cache.num_blocks
+    assert cache.num_free_ids == runner.llama.max_seqs
+    held = [s for s in range(runner.llama.max_seqs) if runner.llama.seq_pos_max(s) >= 0]
+    assert held == [], f"sequence ids {held} still hold cells"
+
+
+def test_every_policy_gives_incremental_greedy_output():
+    """Lossless on the same backend: each policy (and drafter) emits ggml incremental
+    decoding's greedy tokens, one request at a time (see the module doc for why not batched).
+    """
+    prompts = [
+        "Tell me about the history of Paris.",
+        "Write a python function that sorts a list.",
+        "Name three colors.",
+    ]
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+
+    def run(**kw) -> list[list[int]]:
+        llm = LLM(backend="ggml", budget=16, **kw)
+        assert llm.llm_engine.engine.backend == "ggml"
+        return [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+    want = run(policy="incremental")
+    for kw in (
+        dict(policy="adaserve", drafter="suffix"),
+        dict(policy="adaserve", drafter="model"),
+        dict(policy="adaserve_paper"),
+        dict(policy="specinfer"),
+        dict(policy="sequence"),
+    ):
+        assert run(**kw) == want, f"{kw} differs from incremental"
+
+
+def test_backend_selection(tiny_llama):
+    """auto: ggml for the default (GGUF) model when installed; torch for a checkpoint dir.
+    Asking for ggml on a model without a GGUF file says what to do."""
+    from adaserve.exec.engine import pick_backend
+
+    assert pick_backend(ModelConfig(), default_model_dir())[0] == "ggml"
+    assert pick_backend(ModelConfig(backend="torch"), default_model_dir())[0] == "torch"
+    assert pick_backend(ModelConfig(model=str(tiny_llama)), tiny_llama)[0] == "torch"
+    with pytest.raises(ValueError, match="pass the .gguf file"):
+        pick_backend(ModelConfig(model=str(tiny_llama), backend="ggml"), tiny_llama)
+    with pytest.raises(ValueError, match="runs on the CPU"):
+        pick_backend(ModelConfig(backend="ggml", device="cuda"), default_model_dir())
+    with pytest.raises(ValueError, match="backend must be one of"):
+        ModelConfig(backend="llamacpp")
