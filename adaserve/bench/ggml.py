@@ -1,6 +1,7 @@
 """The ggml backend against llama.cpp itself: same GGUF file, same machine, same run.
 
     python -m adaserve.bench.ggml [--max-tokens 128] [--concurrency 1 4 16 32] [--repeats 3]
+    python -m adaserve.bench.ggml --eagle --max-tokens 40
 
 Rows: llama-cpp-python's own greedy `generate` (one request, its high-level API, prompt
 evaluation included as in ours); adaserve incremental on ggml at every concurrency (aggregate
@@ -52,6 +53,36 @@ def identical_requests_agree(engine: LLMEngine, n: int, max_tokens: int) -> tupl
     return len(set(outs.values())), n
 
 
+def eagle_comparison(max_tokens: int) -> None:
+    """The EAGLE head beside a ggml target vs on the torch backend: 3 prompts one at a time."""
+    from adaserve import LLM
+
+    texts = prompts(3)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    print("| target backend | policy | tok/s | vs incremental | accepted | iterations |")
+    print("|---|---|---:|---:|---:|---:|")
+    for backend in ("torch", "ggml"):
+        base = None
+        for policy, drafter in (
+            ("incremental", "auto"),
+            ("adaserve_paper", "eagle"),
+            ("adaserve", "eagle"),
+        ):
+            llm = LLM(backend=backend, policy=policy, drafter=drafter, budget=16)
+            llm.generate([texts[0]], SamplingParams(max_tokens=4))  # warm-up
+            start = time.perf_counter()
+            outs = [llm.generate([t], params)[0] for t in texts]
+            tps = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
+            base = base or tps
+            acc = sum(o.metrics.num_accepted_tokens for o in outs)
+            iters = sum(o.metrics.num_iterations for o in outs)
+            label = policy if drafter == "auto" else f"{policy} + EAGLE"
+            print(
+                f"| {backend} | {label} | {tps:.1f} | {tps / base:.2f}x | {acc} | {iters} |",
+                flush=True,
+            )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 32])
@@ -61,7 +92,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument("--context", type=int, default=300, help="cached tokens for the cost curve")
+    ap.add_argument(
+        "--eagle",
+        action="store_true",
+        help="only compare the EAGLE head beside a ggml target with it on the torch backend",
+    )
     args = ap.parse_args()
+    if args.eagle:
+        eagle_comparison(args.max_tokens)
+        return
     import llama_cpp
 
     from adaserve.exec.default_model import default_gguf_file

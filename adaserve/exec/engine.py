@@ -233,9 +233,7 @@ def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path |
     cpu = torch.device(model_cfg.device).type == "cpu"
     gguf = gguf_source(model_cfg.model, target_path) if cpu else None
     if model_cfg.backend == "auto":
-        # An EAGLE head reads the target's torch weights (embedding, LM head, features).
-        eagle = model_cfg.resolved_drafter.startswith("eagle")
-        fits = gguf is not None and not eagle and ggml_available()
+        fits = gguf is not None and ggml_available()
         return ("ggml", gguf) if fits else ("torch", None)
     if not cpu:
         raise ValueError(f"backend 'ggml' runs on the CPU; device is {model_cfg.device!r}")
@@ -271,23 +269,23 @@ def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig):
         )
         blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, torch.device("cpu"))
         tokens = min(blocks * cache_cfg.block_size, MAX_GGML_CACHE_TOKENS)
-    return GgmlRunner(gguf, args, tokens, cache_cfg.block_size, n_batch=2048)
+    return GgmlRunner(gguf, target_path, tokens, cache_cfg.block_size, n_batch=2048)
 
 
 def _build_head_runner(
     path: Path, target: ModelRunner, model_cfg: ModelConfig, num_blocks: int, cache_cfg: CacheConfig
 ) -> EagleRunner:
-    head = load_eagle_head(path, target.model)
+    if isinstance(target, ModelRunner):
+        head = load_eagle_head(path, target.model)
+    else:
+        # A target torch does not run (ggml): the head borrows the checkpoint's embedding and
+        # LM head, loaded on their own, and drafts from llama.cpp's final hidden states.
+        from adaserve.exec.loader import load_embedding_and_head
+
+        head = load_eagle_head(path, load_embedding_and_head(target.model.path))  # type: ignore[arg-type]
     a = head.args
-    cache = KVCache(
-        1,
-        num_blocks,
-        cache_cfg.block_size,
-        a.num_kv_heads,
-        a.head_dim,
-        target.cache.k.dtype,
-        target.cache.device,
-    )
+    ref = head.embed_weight
+    cache = KVCache(1, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, ref.dtype, ref.device)
     backend = _make_backend(model_cfg.attention_backend, cache, a.num_heads)
     return EagleRunner(head, cache, backend)
 
@@ -330,11 +328,6 @@ class ExecutionEngine:
                 self.draft_path = resolve_model_path(model_cfg.draft_model)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
             if is_eagle_head(self.draft_path):
-                if self.backend == "ggml":
-                    raise ValueError(
-                        "an EAGLE head reads the target's weights, which the ggml backend does "
-                        "not load into torch; run it with backend 'torch'"
-                    )
                 self.draft = _build_head_runner(
                     self.draft_path, self.target, model_cfg, draft_blocks, cache_cfg
                 )

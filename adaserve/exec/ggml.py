@@ -390,14 +390,21 @@ class GgmlRunner:
     # Every token costs about the same here (compute bound): padding never pays, and is ignored.
     supports_padding = False
 
-    def __init__(self, gguf: Path, args, cache_tokens: int, block_size: int, n_batch: int):
+    def __init__(
+        self, gguf: Path, checkpoint: Path, cache_tokens: int, block_size: int, n_batch: int
+    ):
+        """`checkpoint`: the dir converted from the GGUF file (config, tokenizer; an EAGLE head
+        borrows its embedding and LM head)."""
+        from adaserve.exec.loader import load_args
+
+        args = load_args(checkpoint)
         self.gguf = Path(gguf)
         self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch)
         if self.llama.n_vocab != args.vocab_size:
             raise ValueError(
                 f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
             )
-        self.model = SimpleNamespace(args=args)
+        self.model = SimpleNamespace(args=args, path=Path(checkpoint))
         self.cache = GgmlKVCache(self.llama, block_size)
         self.device = torch.device("cpu")
         self.backend = None

@@ -261,3 +261,22 @@ def gguf_source(model: str | os.PathLike | None, path: Path) -> Path | None:
             source = Path(json.load(f)["gguf"])
         return source if source.exists() else None
     return None
+
+
+def load_embedding_and_head(path: Path):
+    """Just a checkpoint's token embedding and LM head (float32, CPU), with its args: what an
+    EAGLE head beside a target that torch does not run (ggml) borrows from the target."""
+    from types import SimpleNamespace
+
+    args = load_args(path)
+    want = {"model.embed_tokens.weight", "lm_head.weight"}
+    found = {n: t for n, t in iter_safetensors(safetensor_files(path)) if n in want}
+    if "model.embed_tokens.weight" not in found:
+        raise ValueError(f"{path} has no model.embed_tokens.weight")
+    embed = torch.nn.Embedding.from_pretrained(found["model.embed_tokens.weight"].float())
+    head = None
+    if not args.tie_word_embeddings:
+        head = torch.nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        head.weight = torch.nn.Parameter(found["lm_head.weight"].float(), requires_grad=False)
+    return SimpleNamespace(args=args, embed_tokens=embed, lm_head=head)
+
