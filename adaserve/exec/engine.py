@@ -285,7 +285,9 @@ def _build_head_runner(
         head = load_eagle_head(path, load_embedding_and_head(target.model.path))  # type: ignore[arg-type]
     a = head.args
     ref = head.embed_weight
-    cache = KVCache(1, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, ref.dtype, ref.device)
+    cache = KVCache(
+        1, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, ref.dtype, ref.device
+    )
     backend = _make_backend(model_cfg.attention_backend, cache, a.num_heads)
     return EagleRunner(head, cache, backend)
 

@@ -273,9 +273,7 @@ class GgmlKVCache:
             return
         fresh = not block_table
         if fresh and not self._free_ids:
-            raise NoFreeBlocksError(
-                f"all {self.llama.max_seqs} llama.cpp sequence ids are in use"
-            )
+            raise NoFreeBlocksError(f"all {self.llama.max_seqs} llama.cpp sequence ids are in use")
         block_table.extend(self.allocator.allocate(need))
         if fresh:
             seq = self._free_ids.pop()

@@ -279,4 +279,3 @@ def load_embedding_and_head(path: Path):
         head = torch.nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         head.weight = torch.nn.Parameter(found["lm_head.weight"].float(), requires_grad=False)
     return SimpleNamespace(args=args, embed_tokens=embed, lm_head=head)
-
