@@ -65,8 +65,9 @@ def test_the_shipped_eagle_head_drafts_losslessly_on_the_default_model(default_m
     sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS[:4]
     ref = LLM(max_num_seqs=4, backend="torch").generate(prompts, sp)
-    llm = LLM(drafter="eagle", policy="adaserve_paper", budget=16, max_num_seqs=4)
-    assert llm.llm_engine.engine.backend == "torch"  # auto: the head needs torch weights
+    # torch: bitwise losslessness in a batch (on ggml near-ties may flip: docs/ggml.md, and
+    # tests/exec/test_ggml.py runs the head beside a ggml target).
+    llm = LLM(drafter="eagle", policy="adaserve_paper", budget=16, max_num_seqs=4, backend="torch")
     assert llm.llm_engine.scheduler.drafter.name == "eagle"
     outs = llm.generate(prompts, sp)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
