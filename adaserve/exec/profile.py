@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaserve.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.config import BACKENDS, DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine, ModelRunner, SequenceBatchBuilder
 
@@ -498,6 +498,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-draft", action="store_true", help="profile the target only")
     p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
     p.add_argument("--device", default=m.device, help="cpu or cuda[:N]")
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=m.backend,
+        help="who runs the target (as serve's --backend; auto: ggml for a GGUF model on the "
+        "CPU when installed)",
+    )
     p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks to use")
     p.add_argument("--out", default="profile.json", help="where to write the profile")
     p.add_argument("--quick", action="store_true", help="the short start-up profile")
@@ -525,6 +532,7 @@ def run(args: argparse.Namespace) -> int:
             draft_model=None if args.no_draft else args.draft_model,
             dtype=args.dtype,
             device=args.device,
+            backend=args.backend,
         ),
         CacheConfig(num_blocks=args.num_blocks),
         need_draft=need_draft,
