@@ -336,10 +336,23 @@ class ExecutionEngine:
                 self.target.capture_hidden = True  # the head drafts from the target's features
             else:
                 check_draft_compatible(self.target_path, self.draft_path)
-                self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
+                draft_gguf = None
+                if self.backend == "ggml":
+                    from adaserve.exec.loader import gguf_source
+
+                    draft_gguf = gguf_source(model_cfg.draft_model, self.draft_path)
+                if draft_gguf is not None:  # a GGUF draft beside a ggml target: ggml too
+                    cells = CacheConfig(
+                        block_size=cache_cfg.block_size,
+                        num_blocks=draft_blocks,
+                        enable_prefix_caching=False,
+                    )
+                    self.draft = _build_ggml_runner(draft_gguf, self.draft_path, cells)
+                else:
+                    self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
             k = model_cfg.draft_vocab_size
             vocab = self.draft.model.args.vocab_size
-            if k is not None and k < vocab:
+            if k is not None and k < vocab and isinstance(self.draft, ModelRunner):
                 ids = draft_vocab_ids(self.target_path.name, vocab, k, model_cfg.draft_vocab_file)
                 self.draft.model.restrict_head(torch.tensor(ids, dtype=torch.long))
         # Automatic prefix caching, one index per KV cache (see exec/prefix_cache.py).
@@ -348,7 +361,7 @@ class ExecutionEngine:
         if cache_cfg.enable_prefix_caching and self.backend == "torch":
             # (llama.cpp's cache is indexed by sequence, not by block: no prefix sharing yet.)
             self.target_prefix = PrefixCache(self.target.cache)
-            if self.draft is not None and not self.draft_is_head:
+            if isinstance(self.draft, ModelRunner) and not self.draft_is_head:
                 # A head's KV depends on the target's features, not on tokens alone.
                 self.draft_prefix = PrefixCache(self.draft.cache)
         args = self.target.model.args
@@ -371,7 +384,11 @@ class ExecutionEngine:
     def enable_draft_graphs(self, max_num_seqs: int, max_width: int) -> None:
         """Replay draft steps 2..d from CUDA graphs, if the draft's backend supports them."""
         d = self.draft
-        if d is None or not self.cuda_graphs or not d.backend.supports_cuda_graphs():
+        if (
+            not isinstance(d, ModelRunner)
+            or not self.cuda_graphs
+            or not d.backend.supports_cuda_graphs()
+        ):
             return
         from adaserve.exec.cuda_graph import DraftGraphRunner
 

@@ -255,6 +255,8 @@ class GgmlKVCache:
         self._seq: dict[int, int] = {}  # first block of a table -> its sequence id
         self._free_ids = list(range(llama.max_seqs - 1, -1, -1))
         self._trees: dict[int, _Tree] = {}
+        # Draft steps: per sequence, KV index of each scratch node fed -> the id holding its path.
+        self._scratch: dict[int, dict[int, int]] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -291,6 +293,7 @@ class GgmlKVCache:
             return
         seq = self._seq[block_table[0]]
         self._end_tree(seq)
+        self._end_scratch(seq)
         self.llama.seq_rm(seq, num_tokens, -1)
         keep = -(-num_tokens // self.block_size)
         if len(block_table) > keep:
@@ -327,6 +330,8 @@ class GgmlKVCache:
         of the leaves below it, the first leaf being the request's own sequence."""
         self._end_tree(seq)
         n = len(parents)
+        if any(p < 0 for p in parents[1:]):
+            raise ValueError("a verification tree has one root, node 0")
         has_child = [False] * n
         for p in parents[1:]:
             has_child[p] = True
@@ -353,12 +358,41 @@ class GgmlKVCache:
         self._trees[seq] = _Tree(start, [b[0] for b in below], borrowed)
         return below
 
+    def scratch_node(self, seq: int, kv_index: int, parent_kv: int | None, pos: int) -> int:
+        """A draft step's node at `kv_index` (RoPE position `pos`), child of the scratch node at
+        `parent_kv` (None: of the committed context): a borrowed id holding its parent's path.
+        The draft model feeds a tree level by level into scratch KV indices past the committed
+        tokens; here each node gets a sequence of its own, made of its parent's cells."""
+        if not self._free_ids:
+            raise NoFreeBlocksError("no llama.cpp sequence id left for a draft node")
+        nodes = self._scratch.setdefault(seq, {})
+        src = seq if parent_kv is None else nodes[parent_kv]
+        s = self._free_ids.pop()
+        self.llama.seq_rm(s)
+        self.llama.seq_cp(src, s, 0, pos)  # the context and the path down to the parent
+        nodes[kv_index] = s
+        return s
+
+    def _end_scratch(self, seq: int) -> None:
+        for s in self._scratch.pop(seq, {}).values():
+            self.llama.seq_rm(s)
+            self._free_ids.append(s)
+
     def _end_tree(self, seq: int) -> None:
         tree = self._trees.pop(seq, None)
         if tree is not None:
             for s in tree.borrowed:
                 self.llama.seq_rm(s)
                 self._free_ids.append(s)
+
+
+def _is_draft_step(mask: torch.Tensor, kv_len: int, q: int) -> bool:
+    """A draft model's step (nodes over scratch KV, or several roots), not a verification tree
+    (one root, everything before it visible) or a prefill chunk."""
+    if not bool(mask[:, : kv_len - q].all()):
+        return True
+    tree = mask[:, kv_len - q :]
+    return any(not bool(tree[i, :i].any()) for i in range(1, q))
 
 
 def parents_from_mask(mask: torch.Tensor, query_len: int) -> list[int] | None:
@@ -402,7 +436,8 @@ class GgmlRunner:
             raise ValueError(
                 f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
             )
-        self.model = SimpleNamespace(args=args, path=Path(checkpoint))
+        # (head_token_ids: the torch draft's reduced-vocabulary head; llama.cpp's is full.)
+        self.model = SimpleNamespace(args=args, path=Path(checkpoint), head_token_ids=None)
         self.cache = GgmlKVCache(self.llama, block_size)
         self.device = torch.device("cpu")
         self.backend = None
@@ -420,9 +455,19 @@ class GgmlRunner:
         seq = np.empty(n, np.int32)
         extra: dict[int, list[int]] = {}
         start = 0
-        for q, table, mask in zip(batch.query_lens, batch.block_tables, batch.masks):
+        for q, kv_len, table, mask in zip(
+            batch.query_lens, batch.kv_lens, batch.block_tables, batch.masks
+        ):
             s = self.cache.seq_of(table)
             first = int(positions[start])
+            if mask is not None and _is_draft_step(mask, kv_len, q):
+                # A draft step: each node sees the committed tokens and its scratch ancestors.
+                for j in range(q):
+                    seq[start + j] = self._scratch_row(
+                        s, mask[j], kv_len - q + j, positions[start + j]
+                    )
+                start += q
+                continue
             if self.llama.seq_pos_max(s) >= first:
                 self.cache.truncate(table, first)  # this forward rewrites those positions
             seq[start : start + q] = s
@@ -448,6 +493,18 @@ class GgmlRunner:
         if not want.any():
             return None
         return torch.from_numpy(logits)
+
+    def _scratch_row(self, seq: int, row: torch.Tensor, kv_index: int, pos: int) -> int:
+        """The sequence id a draft-step node is fed under (see GgmlKVCache.scratch_node)."""
+        seen = torch.nonzero(row[:kv_index]).flatten().tolist()
+        committed = self.llama.seq_pos_max(seq) + 1
+        if seen[:committed] != list(range(committed)):
+            raise NotImplementedError(
+                "the ggml backend takes draft masks over every committed token"
+            )
+        ancestors = seen[committed:]
+        parent = ancestors[-1] if ancestors else None  # the deepest: fed last
+        return self.cache.scratch_node(seq, kv_index, parent, int(pos))
 
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
         """This backend's own cost curve (tokens, context, seconds) to seed the cost model."""

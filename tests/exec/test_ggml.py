@@ -268,6 +268,36 @@ def test_an_eagle_head_drafts_beside_a_ggml_target():
     assert m.num_accepted_tokens >= 10, (m.num_accepted_tokens, m.num_iterations)
 
 
+def test_a_gguf_draft_runs_on_ggml_too():
+    """A GGUF draft beside a ggml target runs on llama.cpp as well: its beam-search steps
+    feed each node under a sequence id made of its parent's cells. With the target's own
+    file as the draft nearly every drafted token is accepted, the output is incremental's,
+    and the draft's cache is empty afterwards."""
+    prompts = ["Write a python function that sorts a list.", "Name three colors."]
+    params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    want = [
+        o.outputs[0].token_ids
+        for p in prompts
+        for o in LLM(backend="ggml", policy="incremental").generate([p], params)
+    ]
+    llm = LLM(
+        backend="ggml",
+        policy="sequence",
+        drafter="model",
+        draft_model=str(default_gguf_file()),
+        budget=16,
+    )
+    draft = llm.llm_engine.engine.draft
+    assert isinstance(draft, GgmlRunner)
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == want
+    accepted = sum(o.metrics.num_accepted_tokens for o in outs)
+    iterations = sum(o.metrics.num_iterations for o in outs)
+    assert accepted >= 2 * iterations, (accepted, iterations)
+    assert draft.cache.num_free_ids == draft.llama.max_seqs
+    assert draft.cache.allocator.num_free == draft.cache.num_blocks
+
+
 def test_backend_selection(tiny_llama):
     """auto: ggml for the default (GGUF) model when installed; torch for a checkpoint dir.
     Asking for ggml on a model without a GGUF file says what to do."""
