@@ -337,7 +337,8 @@ class ExecutionEngine:
             else:
                 check_draft_compatible(self.target_path, self.draft_path)
                 draft_gguf = None
-                if self.backend == "ggml":
+                # (No draft named: the default draft, a checkpoint dir, never a GGUF file.)
+                if self.backend == "ggml" and model_cfg.draft_model is not None:
                     from adaserve.exec.loader import gguf_source
 
                     draft_gguf = gguf_source(model_cfg.draft_model, self.draft_path)

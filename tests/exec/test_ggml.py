@@ -268,6 +268,16 @@ def test_an_eagle_head_drafts_beside_a_ggml_target():
     assert m.num_accepted_tokens >= 10, (m.num_accepted_tokens, m.num_iterations)
 
 
+def test_the_default_draft_beside_a_ggml_target_is_the_torch_four_layer_draft():
+    """No draft named: the default target's 4-layer draft on torch (not the target's own
+    GGUF file, which a draft_model=None once resolved to)."""
+    from adaserve.exec.engine import ModelRunner
+
+    llm = LLM(backend="ggml", policy="adaserve_paper", drafter="model")
+    draft = llm.llm_engine.engine.draft
+    assert isinstance(draft, ModelRunner) and draft.model.args.num_layers == 4
+
+
 def test_a_gguf_draft_runs_on_ggml_too():
     """A GGUF draft beside a ggml target runs on llama.cpp as well: its beam-search steps
     feed each node under a sequence id made of its parent's cells. With the target's own
