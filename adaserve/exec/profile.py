@@ -89,6 +89,9 @@ class Profile:
     # Online cost model's fitted coefficients (ForwardCostModel.to_json): written by
     # `adaserve profile`, refreshed in the start-up cache by a server that ran.
     cost_model: dict | None = None
+    # Who ran the target ("torch" or "ggml"): a simulation of this machine follows what the
+    # backend does (ggml: no padded forwards, no prefix caching).
+    backend: str = "torch"
     created_at: str = field(default_factory=lambda: _now())
 
     def target_ms(self, tokens: float, context: int | None = None) -> float:
@@ -408,6 +411,7 @@ def profile_engine(
         quick=quick,
         max_spread=spread,
         cost_model=cost_json,
+        backend=getattr(engine, "backend", "torch"),
     )
 
 
@@ -486,6 +490,7 @@ def record_cost_model(
         budget_context=BUDGET_CONTEXT,
         baseline_latency_ms=baseline,
         cost_model=json.loads(cost_model.to_json()),
+        backend=getattr(engine, "backend", "torch"),
     )
     return prof.save(path)
 

@@ -95,6 +95,9 @@ class CostModel(ABC):
 
     name = "?"
     kv_tokens: int | None = None
+    # The backend whose forwards these are: "ggml" (llama.cpp) pads no forward and caches no
+    # prefix, so a simulation of it does neither.
+    backend = "torch"
 
     @abstractmethod
     def seconds(self, tokens: int, context: int, pairs: int) -> float:
@@ -145,8 +148,8 @@ class RooflineCost(CostModel):
 class ProfileCost(CostModel):
     """The fitted cost model an `adaserve profile` (or a server's start-up profile) stored."""
 
-    def __init__(self, model: ForwardCostModel, name: str) -> None:
-        self.model, self.name = model, name
+    def __init__(self, model: ForwardCostModel, name: str, backend: str = "torch") -> None:
+        self.model, self.name, self.backend = model, name, backend
 
     def seconds(self, tokens: int, context: int, pairs: int) -> float:
         return self.model.predict(max(1, tokens), context)
@@ -192,7 +195,8 @@ def _one(spec: str, efficiency: float, which: str) -> CostModel:
     prof = Profile.load(spec)
     if which == "target":
         model = prof.forward_cost_model()
-        return ProfileCost(model, f"profile {Path(spec).name} ({prof.model} on {prof.device})")
+        where = f"{prof.model} on {prof.device}, {prof.backend}"
+        return ProfileCost(model, f"profile {Path(spec).name} ({where})", prof.backend)
     if not prof.draft:
         raise ValueError(f"{spec} has no draft measurements (profile it with a draft model)")
     model = ForwardCostModel()

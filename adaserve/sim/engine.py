@@ -71,8 +71,6 @@ class _Tokenizer:
 class SimRunner:
     """A runner whose forward costs virtual time; `truth` set: it returns target logits."""
 
-    supports_padding = True  # a padded forward costs the padded size's time
-
     def __init__(
         self,
         cost: CostModel,
@@ -84,6 +82,8 @@ class SimRunner:
         target: bool = True,
     ) -> None:
         self.cost, self.clock, self.noise = cost, clock, noise
+        # A padded forward costs the padded size's time; llama.cpp's forwards are never padded.
+        self.supports_padding = cost.backend != "ggml"
         self.rng = rng or random.Random(0)
         self.target = target
         self.cache = KVCache(1, num_blocks, block_size, 1, 1, torch.float32, torch.device("cpu"))

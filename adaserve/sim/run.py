@@ -126,7 +126,7 @@ def simulate(
         num_blocks,
         setup.block_size,
         setup.max_model_len,
-        setup.prefix_caching,
+        setup.prefix_caching and setup.cost.target.backend == "torch",  # as the real engine
         clock,
         setup.noise,
         setup.seed,

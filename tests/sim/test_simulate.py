@@ -233,6 +233,29 @@ def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
     assert all(r.completed for r in run.records)
 
 
+@pytest.mark.parametrize("backend", ["torch", "ggml"])
+def test_a_profile_simulates_what_its_backend_does(tmp_path: Path, backend: str) -> None:
+    # A ggml (llama.cpp) server pads no forward and caches no prefix; a simulation from its
+    # profile must not either, or it would simulate a different server.
+    points = tuple(LatencyPoint(n, 256, 5.0 + 2.0 * n) for n in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64))
+    prof = Profile("cpu", "m", None, points, (), 16, 2.0, 256, 40.0, backend=backend)
+    path = prof.save(tmp_path / "p.json")
+    assert Profile.load(path).backend == backend
+    cost = load_cost(str(path))
+    assert cost.target.backend == backend
+    reqs = bench_requests(3, 0.05)
+    seen = []
+
+    def check(sched) -> None:
+        seen.append((sched.engine.target.supports_padding, sched.engine.target_prefix))
+
+    run = simulate(reqs, SimSetup(cost, None, SchedulerConfig(policy="incremental")), on_step=check)
+    assert all(r.completed for r in run.records)
+    padding, prefix = seen[-1]
+    assert padding is (backend == "torch")
+    assert (prefix is not None) is (backend == "torch"), "prefix caching as on the real engine"
+
+
 def test_roofline_matches_the_hardware_it_names() -> None:
     a100 = GPUS["a100-80g"]
     cost = RooflineCost(MODELS["llama-2-7b"], a100)
