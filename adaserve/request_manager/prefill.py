@@ -5,20 +5,25 @@ that travel in the same forward as the running requests' verification trees, eac
 large as the running requests' SLOs allow (docs/scheduling.md has the rule with examples):
 
     expected tokens of running request r this iteration:  e_r = 1 + sum of its nodes' f(v)
+    pace_r  = (1 - PACE_MARGIN) * slo_r  (a little under the SLO: forwards vary around
+                                          their prediction)
+    bank_r  = pace_r * o_r - l_r         (time ahead of its pace, negative when behind; o_r
+                                          tokens after the first in l_r seconds since it)
     time r may spend on this iteration:
-        allow_r = tpot_r * e_r + min(max(bank_r, 0), tpot_r)
-        bank_r  = tpot_r * o_r - l_r        (time ahead of its SLO; o_r tokens after the first
-                                              in l_r seconds since the first token)
+        allow_r = max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -REPAY * pace_r * e_r, pace_r))
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
-              can still meet (allow_r >= T(n_tree, ctx); a TPOT already lost this iteration
-              does not hold prompts back)                            (none: no TPOT limit)
+              can still meet (pace_r * e_r + min(max(bank_r, 0), pace_r) >= T(n_tree, ctx);
+              a TPOT already lost does not hold prompts back)      (none: no TPOT limit)
     chunk   = largest c <= cap with T(n_tree + c, ctx + c) <= T_max   (T: the cost model)
     cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
               much), max_num_batched_tokens when nothing does
     chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
 
-so a request spends at most one extra SLO of banked time on any one gap: a gap stays under
-~2x its SLO. TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
+so a request spends at most one extra pace of banked time on any one gap (a gap stays under
+~2x its SLO), and a request behind its pace takes time back from the prompts until it has
+caught up: a deficit is repaid, not carried to the end of the stream.
+
+TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
 one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
 ceil(R / c) * T(n_tree + c) <= deadline - now, raises the chunk to c_ttft (capped); a deadline
 no chunk can meet any more does not (a first token already late does not outrank TPOTs).
@@ -30,6 +35,13 @@ import math
 from collections.abc import Callable, Sequence
 
 from adaserve.request_manager.request import Request
+
+# Requests are paced at this fraction under their SLO: forwards vary around the cost
+# model's prediction, and a request paced exactly at its SLO misses it half the time.
+PACE_MARGIN = 0.05
+# A request behind its pace gives up at most this fraction of its pace per iteration to
+# catch up (prompts still move; a request far behind does not stall them for long).
+REPAY = 0.5
 
 # Predicted seconds of a forward of (tokens, context tokens).
 CostFn = Callable[[int, int], float]
@@ -53,11 +65,13 @@ def tpot_time_limit(
         slo_ms, first = r.params.slo_tpot_ms, r.metrics.first_token_time
         if slo_ms is None or first is None:
             continue
-        tpot = slo_ms / 1000.0
+        tpot = (1.0 - PACE_MARGIN) * slo_ms / 1000.0
         bank = tpot * (len(r.output_token_ids) - 1) - (now - first)
-        allow = tpot * e + min(max(bank, 0.0), tpot)
-        if allow >= floor_s:
-            limit = allow if limit is None else min(limit, allow)
+        pace = tpot * e
+        if pace + min(max(bank, 0.0), tpot) < floor_s:
+            continue  # lost even without prefill: it does not hold prompts back
+        allow = max(floor_s, pace + min(max(bank, -REPAY * pace), tpot))
+        limit = allow if limit is None else min(limit, allow)
     return limit
 
 
