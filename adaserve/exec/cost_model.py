@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
@@ -99,6 +100,9 @@ class ForwardCostModel:
         self._slope_weight = _SLOPE_RIDGE
         self.num_observations = 0
         self.num_rejected = 0
+        # log(measured / predicted) of every forward observed once its bucket had a fit:
+        # how far real forwards stray from the prediction (a simulator draws its noise here).
+        self._err = [0, 0.0, 0.0]  # count, sum, sum of squares
         self._dirty = True
         self._slope = 0.0  # pooled, for reporting
         self._knots: list[int] = []  # known buckets, ascending
@@ -139,7 +143,9 @@ class ForwardCostModel:
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds}")
         k = bucket_of(tokens)
         if self._counts.get(k, 0) >= self.min_observations_for_outliers:
-            limit = self.outlier_factor * self.predict(tokens, context)
+            predicted = self.predict(tokens, context)
+            self._note_error(seconds, predicted)
+            limit = self.outlier_factor * predicted
             streak = self._streak.get(k, 0)
             if seconds > limit and streak + 1 < self.max_consecutive_outliers:
                 # An OS hiccup (page fault storm, another process) must not poison g.
@@ -169,6 +175,23 @@ class ForwardCostModel:
             return True
         self._add(tokens, context, float(seconds), 1.0, decay=self.forget)
         return True
+
+    def _note_error(self, seconds: float, predicted: float) -> None:
+        if seconds <= 0 or predicted <= 0:
+            return
+        cap = math.log(self.outlier_factor)  # a hiccup counts as one outlier, not as infinity
+        e = min(max(math.log(seconds / predicted), -cap), cap)
+        self._err[0] += 1
+        self._err[1] += e
+        self._err[2] += e * e
+
+    def prediction_error(self) -> tuple[int, float, float]:
+        """(forwards, mean, standard deviation) of log(measured / predicted) so far."""
+        n, total, squares = self._err
+        if n == 0:
+            return 0, 0.0, 0.0
+        mean = total / n
+        return n, mean, math.sqrt(max(0.0, squares / n - mean * mean))
 
     # ---- fit -----------------------------------------------------------------------------
 
@@ -298,13 +321,15 @@ class ForwardCostModel:
     def to_json(self) -> str:
         """The coefficients as a JSON object (bucket keys as strings)."""
         coef = self.coefficients()
-        return json.dumps(
-            {
-                "g_s": {str(k): v for k, v in coef["g_s"].items()},
-                "slopes_s_per_token": {str(k): v for k, v in coef["slopes_s_per_token"].items()},
-                "slope_s_per_token": coef["slope_s_per_token"],
-            }
-        )
+        data: dict[str, Any] = {
+            "g_s": {str(k): v for k, v in coef["g_s"].items()},
+            "slopes_s_per_token": {str(k): v for k, v in coef["slopes_s_per_token"].items()},
+            "slope_s_per_token": coef["slope_s_per_token"],
+        }
+        n, mean, sigma = self.prediction_error()
+        if n:
+            data["log_error"] = {"forwards": n, "mean": mean, "sigma": sigma}
+        return json.dumps(data)
 
     @classmethod
     def from_json(cls, text: str, weight: float = 3.0, **kwargs: Any) -> ForwardCostModel:

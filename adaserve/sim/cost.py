@@ -95,6 +95,9 @@ class CostModel(ABC):
 
     name = "?"
     kv_tokens: int | None = None
+    # Log-normal sigma of real forwards around this model's prediction, when it was measured
+    # (a running server records it with its fitted cost model); None: not known.
+    noise: float | None = None
     # The backend whose forwards these are: "ggml" (llama.cpp) pads no forward and caches no
     # prefix, so a simulation of it does neither.
     backend = "torch"
@@ -196,7 +199,11 @@ def _one(spec: str, efficiency: float, which: str) -> CostModel:
     if which == "target":
         model = prof.forward_cost_model()
         where = f"{prof.model} on {prof.device}, {prof.backend}"
-        return ProfileCost(model, f"profile {Path(spec).name} ({where})", prof.backend)
+        cost = ProfileCost(model, f"profile {Path(spec).name} ({where})", prof.backend)
+        error = (prof.cost_model or {}).get("log_error")
+        if error:
+            cost.noise = float(error["sigma"])
+        return cost
     if not prof.draft:
         raise ValueError(f"{spec} has no draft measurements (profile it with a draft model)")
     model = ForwardCostModel()

@@ -276,7 +276,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "streaming and scheduling (`adaserve bench` reports the server's own as "
         "server_metrics.mean_host_overhead_ms)",
     )
-    p.add_argument("--noise", type=float, default=0.0, help="log-normal sigma of forward times")
+    p.add_argument(
+        "--noise",
+        type=float,
+        default=None,
+        help="log-normal sigma of forward times around the cost model (default: the one a "
+        "server measured, if the cost model was recorded by `serve --record-cost-model`; "
+        "else 0)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
@@ -302,7 +309,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         prefix_caching=not a.no_prefix_caching,
         host_time=a.host_time,
         host_overhead_s=a.host_overhead_ms / 1000.0,
-        noise=a.noise,
+        noise=a.noise if a.noise is not None else (cost.target.noise or 0.0),
         seed=a.seed,
         drafter=a.drafter,
     )
@@ -323,7 +330,8 @@ def run(a: argparse.Namespace) -> int:
         f"cost model: {first.cost.target.name}; draft: "
         f"{first.cost.draft.name if first.cost.draft else 'none'}; B = {first.sched.budget}; "
         f"baseline latency {a.baseline_latency_ms or 0:.2f} ms; acceptance: "
-        f"{first.acceptance.name if first.acceptance else 'none'}",
+        f"{first.acceptance.name if first.acceptance else 'none'}; forward-time noise "
+        f"sigma {first.noise:.3f}",
         file=sys.stderr,
     )
     results = []
@@ -356,6 +364,7 @@ def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
         "num_blocks": sim.num_blocks,
         "max_blocks_used": sim.max_blocks_used,
         "seed": setup.seed,
+        "noise_sigma": setup.noise,
         "host_time": setup.host_time,
         "host_overhead_ms": 1000.0 * setup.host_overhead_s,
         "wall_s": sim.wall_s,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -203,6 +204,26 @@ def test_json_round_trip():
                 model.predict(tokens, context), rel=1e-9
             ), f"round trip changed T({tokens}, {context})"
     assert again.coefficients()["g_s"].keys() == model.coefficients()["g_s"].keys(), "buckets lost"
+
+
+def test_measures_how_far_forwards_stray_from_its_prediction():
+    # A simulator of this server draws forward-time noise from what the server measured.
+    model = ForwardCostModel()
+    rng = random.Random(5)
+    for _ in range(3000):
+        tokens, context = rng.randint(1, 16), rng.randint(100, 8000)
+        model.observe(
+            tokens, context, (g_cpu(tokens) + SLOPE * context) * rng.lognormvariate(0, 0.1)
+        )
+    n, mean, sigma = model.prediction_error()
+    assert n > 2900, "every forward after its bucket's first few is scored"
+    assert sigma == pytest.approx(0.1, abs=0.02), f"measured sigma {sigma:.3f} for a true 0.1"
+    assert abs(mean) < 0.03, f"biased: mean log error {mean:.3f}"
+    stored = json.loads(model.to_json())["log_error"]
+    assert stored["forwards"] == n and stored["sigma"] == pytest.approx(sigma)
+    ForwardCostModel.from_json(model.to_json())  # readers of the coefficients still load it
+    assert ForwardCostModel().prediction_error() == (0, 0.0, 0.0)
+    assert "log_error" not in json.loads(ForwardCostModel().to_json()), "nothing measured"
 
 
 def test_draft_cost_model():

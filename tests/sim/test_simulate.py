@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -229,6 +230,9 @@ def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
             fitted.predict(tokens, context), rel=1e-9
         ), f"T({tokens}, {context}) changed on the way"
     assert Profile.load(path).t_spec_s(16) > 0, "not a usable profile"
+    n, _, sigma = fitted.prediction_error()
+    assert n > 0, "the server scored none of its forwards against the prediction"
+    assert load_cost(str(path)).target.noise == pytest.approx(sigma), "noise not recorded"
     run = simulate(bench_requests(3, 0.05), SimSetup(load_cost(str(path)), None, SchedulerConfig()))
     assert all(r.completed for r in run.records)
 
@@ -294,7 +298,10 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64))
     draft = tuple(LatencyPoint(t, 256, 1.0 + 0.05 * t) for t in (1, 2, 4, 8, 16, 32, 64))
     prof = Profile("cpu", "m", "d", target, draft, 16, 1.5, 256, 20.5)
-    prof.save(tmp_path / "p.json")
+    # As a server records it: with how far its forwards strayed from the prediction.
+    fitted = json.loads(prof.forward_cost_model().to_json())
+    fitted["log_error"] = {"forwards": 500, "mean": 0.01, "sigma": 0.07}
+    replace(prof, cost_model=fitted).save(tmp_path / "p.json")
     out = tmp_path / "r.jsonl"
     rc = main(
         [
@@ -325,6 +332,7 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     for r in results:
         assert r["requests"] == 12 and r["failed"] == 0
         assert set(r["per_category"]) == {"ratio=1.2", "abs=50ms", "abs=150ms"}
+        assert r["simulation"]["noise_sigma"] == 0.07, "the recorded noise is the default"
         assert r["simulation"]["drafter"].startswith(
             "synthetic draft model" if r["label"].startswith("adaserve") else "none"
         )
