@@ -126,6 +126,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
         default=s.max_prefill_chunk,
         help="prompt tokens per iteration that requests without an SLO tolerate",
     )
+    p.add_argument(
+        "--slo-pace-margin",
+        type=float,
+        default=s.slo_pace_margin,
+        help="keep streams this fraction under their TPOT SLO when sizing prefill chunks "
+        f"(default: {s.slo_pace_margin})",
+    )
     p.add_argument("--seed", type=int, default=m.seed, help="seed of requests that give none")
     p.add_argument(
         "--record-acceptance",
@@ -155,6 +162,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         enable_prefix_caching=not a.no_prefix_caching,
         chunked_prefill=not a.no_chunked_prefill,
         max_prefill_chunk=a.max_prefill_chunk,
+        slo_pace_margin=a.slo_pace_margin,
         record_acceptance=a.record_acceptance,
     )
 

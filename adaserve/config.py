@@ -120,6 +120,11 @@ class SchedulerConfig:
     chunked_prefill: bool = True
     max_prefill_chunk: int = 256
     min_prefill_chunk: int = 16
+    # Chunks keep running streams this fraction under their TPOT SLO (forwards stray from
+    # their prediction; a stream paced at its SLO misses it half the time), and a stream behind
+    # that pace takes back up to slo_repay of a pace per iteration from the prompts.
+    slo_pace_margin: float = 0.05
+    slo_repay: float = 0.5
     # B: tokens verified per target forward, all requests' roots included.
     budget: int = 16
     max_depth: int = 6  # D_max
@@ -158,6 +163,10 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
+        if not 0.0 <= self.slo_pace_margin < 1.0:
+            raise ValueError(f"slo_pace_margin must be in [0, 1), got {self.slo_pace_margin}")
+        if not 0.0 <= self.slo_repay <= 1.0:
+            raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",

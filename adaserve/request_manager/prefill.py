@@ -5,12 +5,12 @@ that travel in the same forward as the running requests' verification trees, eac
 large as the running requests' SLOs allow (docs/scheduling.md has the rule with examples):
 
     expected tokens of running request r this iteration:  e_r = 1 + sum of its nodes' f(v)
-    pace_r  = (1 - PACE_MARGIN) * slo_r  (a little under the SLO: forwards vary around
+    pace_r  = (1 - margin) * slo_r         (a little under the SLO: forwards vary around
                                           their prediction)
     bank_r  = pace_r * o_r - l_r         (time ahead of its pace, negative when behind; o_r
                                           tokens after the first in l_r seconds since it)
     time r may spend on this iteration:
-        allow_r = max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -REPAY * pace_r * e_r, pace_r))
+        allow_r = max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r, pace_r))
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
               can still meet (pace_r * e_r + min(max(bank_r, 0), pace_r) >= T(n_tree, ctx);
               a TPOT already lost does not hold prompts back)      (none: no TPOT limit)
@@ -19,7 +19,8 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
               much), max_num_batched_tokens when nothing does
     chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
 
-so a request spends at most one extra pace of banked time on any one gap (a gap stays under
+(margin = slo_pace_margin 5%, repay = slo_repay 0.5 in SchedulerConfig), so a request
+spends at most one extra pace of banked time on any one gap (a gap stays under
 ~2x its SLO), and a request behind its pace takes time back from the prompts until it has
 caught up: a deficit is repaid, not carried to the end of the stream.
 
@@ -34,14 +35,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from adaserve.config import SchedulerConfig
 from adaserve.request_manager.request import Request
-
-# Requests are paced at this fraction under their SLO: forwards vary around the cost
-# model's prediction, and a request paced exactly at its SLO misses it half the time.
-PACE_MARGIN = 0.05
-# A request behind its pace gives up at most this fraction of its pace per iteration to
-# catch up (prompts still move; a request far behind does not stall them for long).
-REPAY = 0.5
 
 # Predicted seconds of a forward of (tokens, context tokens).
 CostFn = Callable[[int, int], float]
@@ -54,7 +49,12 @@ def prefill_target(req: Request) -> int:
 
 
 def tpot_time_limit(
-    running: Sequence[Request], expected_tokens: Sequence[float], now: float, floor_s: float = 0.0
+    running: Sequence[Request],
+    expected_tokens: Sequence[float],
+    now: float,
+    floor_s: float = 0.0,
+    margin: float = SchedulerConfig.slo_pace_margin,
+    repay: float = SchedulerConfig.slo_repay,
 ) -> float | None:
     """T_max: the longest iteration every running request with an SLO can afford (seconds).
 
@@ -65,12 +65,12 @@ def tpot_time_limit(
         slo_ms, first = r.params.slo_tpot_ms, r.metrics.first_token_time
         if slo_ms is None or first is None:
             continue
-        tpot = (1.0 - PACE_MARGIN) * slo_ms / 1000.0
+        tpot = (1.0 - margin) * slo_ms / 1000.0
         bank = tpot * (len(r.output_token_ids) - 1) - (now - first)
         pace = tpot * e
         if pace + min(max(bank, 0.0), tpot) < floor_s:
             continue  # lost even without prefill: it does not hold prompts back
-        allow = max(floor_s, pace + min(max(bank, -REPAY * pace), tpot))
+        allow = max(floor_s, pace + min(max(bank, -repay * pace), tpot))
         limit = allow if limit is None else min(limit, allow)
     return limit
 
@@ -121,6 +121,8 @@ def chunk_tokens(
     max_prefill_chunk: int,
     max_batched_tokens: int,
     min_prefill_chunk: int,
+    margin: float = SchedulerConfig.slo_pace_margin,
+    repay: float = SchedulerConfig.slo_repay,
 ) -> int:
     """Prompt tokens to prefill in this iteration (the rule in the module docstring)."""
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
@@ -128,7 +130,7 @@ def chunk_tokens(
         return 0
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context) if running else 0.0
-    limit = tpot_time_limit(running, expected_tokens, now, floor)
+    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap)
     ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
     for r in prefilling:

@@ -397,6 +397,8 @@ class Scheduler:
             self.cfg.max_prefill_chunk,
             self.cfg.max_num_batched_tokens,
             self.cfg.min_prefill_chunk,
+            self.cfg.slo_pace_margin,
+            self.cfg.slo_repay,
         )
         chunks = []
         for r in self.prefilling:

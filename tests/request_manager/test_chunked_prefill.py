@@ -7,13 +7,7 @@ import pytest
 
 from adaserve import LLMEngine, SamplingParams
 from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
-from adaserve.request_manager.prefill import (
-    PACE_MARGIN,
-    REPAY,
-    chunk_tokens,
-    largest_chunk,
-    ttft_chunk,
-)
+from adaserve.request_manager.prefill import chunk_tokens, largest_chunk, ttft_chunk
 from adaserve.request_manager.request import Request
 from tests.conftest import make_tiny_checkpoint
 from tests.request_manager.test_speculative import run
@@ -154,7 +148,7 @@ def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
         max_batched_tokens=2048,
         min_prefill_chunk=16,
     )
-    # ontime is paced at 95 ms (PACE_MARGIN): bank = 0.095 x 10 - 0.91 = 0.04 s ahead,
+    # ontime is paced at 95 ms (slo_pace_margin 5%): bank = 0.095 x 10 - 0.91 = 0.04 s ahead,
     # allow = 0.095 x 1 + 0.04 = 0.135 s -> 0.02 + 0.001 (2 + c) <= 0.135 -> c = 113
     n = chunk_tokens(linear_cost, [ontime, lost], [1.0, 1.0], [waiting], **args)
     assert n == 113, f"chunk {n} does not follow the 100 ms stream's slack"
@@ -178,9 +172,10 @@ def _streamed(slo_ms: float, tokens_after_first: int, seconds: float, now: float
 def test_a_request_behind_its_pace_catches_up_before_prompts_take_its_time():
     # A request paced exactly at its SLO misses it whenever forwards run a little over their
     # prediction (measured: 42-87% attainment on the shared trace; 100% with this rule).
-    # So streams are paced PACE_MARGIN under their SLO, and a stream behind that pace gives
-    # prefill chunks less room until it has caught up (at most REPAY of a pace per step).
-    assert PACE_MARGIN == 0.05 and REPAY == 0.5
+    # So streams are paced slo_pace_margin under their SLO, and a stream behind that pace
+    # gives prefill chunks less room until it has caught up (at most slo_repay of a pace).
+    cfg = SchedulerConfig()
+    assert (cfg.slo_pace_margin, cfg.slo_repay) == (0.05, 0.5)
     now = 50.0
     waiting = Request("w", list(range(2, 402)), SamplingParams())
     args = dict(
@@ -203,6 +198,11 @@ def test_a_request_behind_its_pace_catches_up_before_prompts_take_its_time():
     # Exactly at its 100 ms SLO so far, i.e. 50 ms behind its pace: it repays at most half a
     # pace this iteration, allow 0.0475 s -> c = 25 (the old rule gave it 0.1 s: c = 78).
     assert chunk(1.00) == 25
+    # Both are settings: with no margin and no repayment this is the old rule (0.1 s, c = 78).
+    r = _streamed(100, 10, 1.00, now)
+    assert chunk_tokens(linear_cost, [r], [1.0], [waiting], **args, margin=0, repay=0) == 78
+    with pytest.raises(ValueError, match="slo_pace_margin"):
+        SchedulerConfig(slo_pace_margin=1.0)
     # Far behind: still half a pace, and prompts still move (never below the minimum chunk).
     assert chunk(3.00) == 25
     slow = _streamed(60, 10, 3.0, now)
