@@ -40,6 +40,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, TypedDict
 
@@ -71,6 +72,13 @@ def _check(tokens: int, context: int) -> None:
 
 
 _MEMO_SIZE = 4096
+# Forwards whose prediction error is kept (the noise a simulation of this server draws).
+ERROR_WINDOW = 4096
+ERROR_LEVELS = (
+    *(0.0, 0.01, 0.025, 0.05),
+    *(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    *(0.95, 0.975, 0.99, 1.0),
+)
 
 
 class ForwardCostModel:
@@ -100,9 +108,10 @@ class ForwardCostModel:
         self._slope_weight = _SLOPE_RIDGE
         self.num_observations = 0
         self.num_rejected = 0
-        # log(measured / predicted) of every forward observed once its bucket had a fit:
+        # log(measured / predicted) of the last forwards observed once their bucket had a fit:
         # how far real forwards stray from the prediction (a simulator draws its noise here).
-        self._err = [0, 0.0, 0.0]  # count, sum, sum of squares
+        self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.num_scored = 0
         self._dirty = True
         self._slope = 0.0  # pooled, for reporting
         self._knots: list[int] = []  # known buckets, ascending
@@ -180,18 +189,26 @@ class ForwardCostModel:
         if seconds <= 0 or predicted <= 0:
             return
         cap = math.log(self.outlier_factor)  # a hiccup counts as one outlier, not as infinity
-        e = min(max(math.log(seconds / predicted), -cap), cap)
-        self._err[0] += 1
-        self._err[1] += e
-        self._err[2] += e * e
+        self._errors.append(min(max(math.log(seconds / predicted), -cap), cap))
+        self.num_scored += 1
 
     def prediction_error(self) -> tuple[int, float, float]:
-        """(forwards, mean, standard deviation) of log(measured / predicted) so far."""
-        n, total, squares = self._err
+        """(forwards, mean, standard deviation) of log(measured / predicted), over the last
+        ERROR_WINDOW forwards scored."""
+        n = len(self._errors)
         if n == 0:
             return 0, 0.0, 0.0
-        mean = total / n
-        return n, mean, math.sqrt(max(0.0, squares / n - mean * mean))
+        mean = sum(self._errors) / n
+        var = sum((e - mean) ** 2 for e in self._errors) / n
+        return n, mean, math.sqrt(var)
+
+    def error_quantiles(self) -> list[tuple[float, float]]:
+        """(level, log error) at ERROR_LEVELS: the shape of the noise, heavy tail included."""
+        ordered = sorted(self._errors)
+        if not ordered:
+            return []
+        last = len(ordered) - 1
+        return [(q, ordered[round(q * last)]) for q in ERROR_LEVELS]
 
     # ---- fit -----------------------------------------------------------------------------
 
@@ -328,7 +345,12 @@ class ForwardCostModel:
         }
         n, mean, sigma = self.prediction_error()
         if n:
-            data["log_error"] = {"forwards": n, "mean": mean, "sigma": sigma}
+            data["log_error"] = {
+                "forwards": n,
+                "mean": mean,
+                "sigma": sigma,
+                "quantiles": self.error_quantiles(),
+            }
         return json.dumps(data)
 
     @classmethod

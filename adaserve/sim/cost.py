@@ -17,7 +17,9 @@ kernels reach of the peaks; the per-layer overhead for kernel launches with CUDA
 
 from __future__ import annotations
 
+import bisect
 import math
+import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,14 +92,46 @@ MODELS = {
 }
 
 
+@dataclass(frozen=True)
+class ForwardNoise:
+    """Multiplicative noise on simulated forwards: drawn from a server's measured log errors
+    (`quantiles`: (level, log(measured / predicted)) pairs, centered on their median, so a
+    typical forward costs what the model says and the rare hiccup stays rare), or log-normal
+    with `sigma` when no quantiles are known."""
+
+    sigma: float = 0.0
+    quantiles: tuple[tuple[float, float], ...] = ()
+
+    def factor(self, rng: random.Random) -> float:
+        if len(self.quantiles) >= 2:
+            levels = [q for q, _ in self.quantiles]
+            values = [e for _, e in self.quantiles]
+            median = _at(levels, values, 0.5)
+            return math.exp(_at(levels, values, rng.random()) - median)
+        return math.exp(rng.gauss(0.0, self.sigma)) if self.sigma else 1.0
+
+    def describe(self) -> str:
+        if len(self.quantiles) >= 2:
+            return f"measured (sigma {self.sigma:.3f}, {len(self.quantiles)} quantiles)"
+        return f"log-normal sigma {self.sigma:.3f}" if self.sigma else "none"
+
+
+def _at(levels: list[float], values: list[float], u: float) -> float:
+    """Piecewise-linear inverse CDF through (level, value) points."""
+    i = min(max(bisect.bisect_left(levels, u), 1), len(levels) - 1)
+    lo, hi = levels[i - 1], levels[i]
+    w = 0.0 if hi == lo else (u - lo) / (hi - lo)
+    return values[i - 1] + min(max(w, 0.0), 1.0) * (values[i] - values[i - 1])
+
+
 class CostModel(ABC):
     """Seconds of one forward; `kv_tokens` is how many tokens of KV the deployment holds."""
 
     name = "?"
     kv_tokens: int | None = None
-    # Log-normal sigma of real forwards around this model's prediction, when it was measured
-    # (a running server records it with its fitted cost model); None: not known.
-    noise: float | None = None
+    # How real forwards strayed from this model's prediction, when a running server measured
+    # it (`serve --record-cost-model`); None: not known.
+    noise: ForwardNoise | None = None
     # The backend whose forwards these are: "ggml" (llama.cpp) pads no forward and caches no
     # prefix, so a simulation of it does neither.
     backend = "torch"
@@ -202,7 +236,8 @@ def _one(spec: str, efficiency: float, which: str) -> CostModel:
         cost = ProfileCost(model, f"profile {Path(spec).name} ({where})", prof.backend)
         error = (prof.cost_model or {}).get("log_error")
         if error:
-            cost.noise = float(error["sigma"])
+            levels = tuple((float(q), float(e)) for q, e in error.get("quantiles", ()))
+            cost.noise = ForwardNoise(float(error["sigma"]), levels)
         return cost
     if not prof.draft:
         raise ValueError(f"{spec} has no draft measurements (profile it with a draft model)")

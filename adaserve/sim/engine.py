@@ -16,7 +16,6 @@ host time the scheduler itself spends (this machine's, so only for simulating th
 
 from __future__ import annotations
 
-import math
 import random
 import time
 
@@ -25,7 +24,7 @@ import torch
 from adaserve.exec.engine import ForwardBatch
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.prefix_cache import PrefixCache
-from adaserve.sim.cost import CostModel
+from adaserve.sim.cost import CostModel, ForwardNoise
 
 # Token ids of the simulated target: small, so logits rows are cheap.
 SIM_VOCAB = 128
@@ -77,7 +76,7 @@ class SimRunner:
         num_blocks: int,
         block_size: int,
         clock: VirtualClock,
-        noise: float = 0.0,
+        noise: ForwardNoise | None = None,
         rng: random.Random | None = None,
         target: bool = True,
     ) -> None:
@@ -98,8 +97,8 @@ class SimRunner:
 
     def _spend(self, tokens: int, context: int, pairs: int) -> float:
         s = self.cost.seconds(tokens, context, pairs)
-        if self.noise:
-            s *= math.exp(self.rng.gauss(0.0, self.noise))
+        if self.noise is not None:
+            s *= self.noise.factor(self.rng)
         self.clock.advance(s)
         self.num_forwards += 1
         self.busy_s += s
@@ -160,7 +159,7 @@ class SimEngine:
         max_model_len: int,
         prefix_caching: bool,
         clock: VirtualClock,
-        noise: float = 0.0,
+        noise: ForwardNoise | None = None,
         seed: int = 0,
     ) -> None:
         self.clock = clock

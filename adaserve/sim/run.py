@@ -44,6 +44,7 @@ from adaserve.sim.acceptance import AcceptanceModel, SyntheticDrafter, load_acce
 from adaserve.sim.cost import (
     DEFAULT_EFFICIENCY,
     CostSpec,
+    ForwardNoise,
     baseline_latency_ms,
     derive_sim_budget,
     load_cost,
@@ -69,7 +70,7 @@ class SimSetup:
     prefix_caching: bool = True
     host_time: bool = False
     host_overhead_s: float = 0.0  # added after every iteration (the server's host time)
-    noise: float = 0.0
+    noise: ForwardNoise | None = None
     seed: int = 0
     drafter: str = "auto"  # model | suffix | auto (model when a draft cost exists)
 
@@ -309,7 +310,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         prefix_caching=not a.no_prefix_caching,
         host_time=a.host_time,
         host_overhead_s=a.host_overhead_ms / 1000.0,
-        noise=a.noise if a.noise is not None else (cost.target.noise or 0.0),
+        noise=ForwardNoise(a.noise) if a.noise is not None else cost.target.noise,
         seed=a.seed,
         drafter=a.drafter,
     )
@@ -330,8 +331,8 @@ def run(a: argparse.Namespace) -> int:
         f"cost model: {first.cost.target.name}; draft: "
         f"{first.cost.draft.name if first.cost.draft else 'none'}; B = {first.sched.budget}; "
         f"baseline latency {a.baseline_latency_ms or 0:.2f} ms; acceptance: "
-        f"{first.acceptance.name if first.acceptance else 'none'}; forward-time noise "
-        f"sigma {first.noise:.3f}",
+        f"{first.acceptance.name if first.acceptance else 'none'}; forward-time noise: "
+        f"{first.noise.describe() if first.noise else 'none'}",
         file=sys.stderr,
     )
     results = []
@@ -364,7 +365,7 @@ def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
         "num_blocks": sim.num_blocks,
         "max_blocks_used": sim.max_blocks_used,
         "seed": setup.seed,
-        "noise_sigma": setup.noise,
+        "noise": setup.noise.describe() if setup.noise else "none",
         "host_time": setup.host_time,
         "host_overhead_ms": 1000.0 * setup.host_overhead_s,
         "wall_s": sim.wall_s,

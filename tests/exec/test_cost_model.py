@@ -219,8 +219,12 @@ def test_measures_how_far_forwards_stray_from_its_prediction():
     assert n > 2900, "every forward after its bucket's first few is scored"
     assert sigma == pytest.approx(0.1, abs=0.02), f"measured sigma {sigma:.3f} for a true 0.1"
     assert abs(mean) < 0.03, f"biased: mean log error {mean:.3f}"
+    quantiles = dict(model.error_quantiles())
+    assert quantiles[0.5] == pytest.approx(0.0, abs=0.02), "typical forward: as predicted"
+    assert quantiles[0.975] == pytest.approx(0.196, abs=0.04), "the tail of a 0.1 log-normal"
     stored = json.loads(model.to_json())["log_error"]
     assert stored["forwards"] == n and stored["sigma"] == pytest.approx(sigma)
+    assert [tuple(x) for x in stored["quantiles"]] == model.error_quantiles()
     ForwardCostModel.from_json(model.to_json())  # readers of the coefficients still load it
     assert ForwardCostModel().prediction_error() == (0, 0.0, 0.0)
     assert "log_error" not in json.loads(ForwardCostModel().to_json()), "nothing measured"

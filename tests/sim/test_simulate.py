@@ -24,6 +24,7 @@ from adaserve.sim.cost import (
     MODELS,
     CostModel,
     CostSpec,
+    ForwardNoise,
     RooflineCost,
     baseline_latency_ms,
     derive_sim_budget,
@@ -232,9 +233,27 @@ def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
     assert Profile.load(path).t_spec_s(16) > 0, "not a usable profile"
     n, _, sigma = fitted.prediction_error()
     assert n > 0, "the server scored none of its forwards against the prediction"
-    assert load_cost(str(path)).target.noise == pytest.approx(sigma), "noise not recorded"
+    noise = load_cost(str(path)).target.noise
+    assert noise is not None and noise.sigma == pytest.approx(sigma), "noise not recorded"
+    assert dict(noise.quantiles) == pytest.approx(dict(fitted.error_quantiles()))
     run = simulate(bench_requests(3, 0.05), SimSetup(load_cost(str(path)), None, SchedulerConfig()))
     assert all(r.completed for r in run.records)
+
+
+def test_recorded_noise_is_drawn_with_its_shape_centered_on_its_median() -> None:
+    # A server's forwards: mostly within a few percent, 2% of them hiccups at 2x. Drawn from
+    # its quantiles, the hiccups stay 2% (a log-normal of the same sigma would spread them).
+    rng = random.Random(3)
+    errors = sorted(rng.gauss(0.01, 0.02) if rng.random() > 0.02 else 0.69 for _ in range(20000))
+    levels = (0.0, 0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.97, 0.975, 0.99, 1.0)
+    noise = ForwardNoise(0.1, tuple((q, errors[round(q * (len(errors) - 1))]) for q in levels))
+    draws = sorted(noise.factor(rng) for _ in range(20000))
+    assert draws[10000] == pytest.approx(1.0, abs=0.005), "centered on the median"
+    slow = sum(d > 1.5 for d in draws) / len(draws)
+    assert 0.015 < slow < 0.035, f"{slow:.3f} of forwards were hiccups, recorded 0.02"
+    lognormal = ForwardNoise(0.1)
+    assert sum(lognormal.factor(rng) > 1.5 for _ in range(20000)) < 20, "no hiccups there"
+    assert ForwardNoise().factor(rng) == 1.0
 
 
 @pytest.mark.parametrize("backend", ["torch", "ggml"])
@@ -300,7 +319,12 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     prof = Profile("cpu", "m", "d", target, draft, 16, 1.5, 256, 20.5)
     # As a server records it: with how far its forwards strayed from the prediction.
     fitted = json.loads(prof.forward_cost_model().to_json())
-    fitted["log_error"] = {"forwards": 500, "mean": 0.01, "sigma": 0.07}
+    fitted["log_error"] = {
+        "forwards": 500,
+        "mean": 0.01,
+        "sigma": 0.07,
+        "quantiles": [[0.0, -0.2], [0.5, 0.0], [1.0, 0.3]],
+    }
     replace(prof, cost_model=fitted).save(tmp_path / "p.json")
     out = tmp_path / "r.jsonl"
     rc = main(
@@ -332,7 +356,7 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     for r in results:
         assert r["requests"] == 12 and r["failed"] == 0
         assert set(r["per_category"]) == {"ratio=1.2", "abs=50ms", "abs=150ms"}
-        assert r["simulation"]["noise_sigma"] == 0.07, "the recorded noise is the default"
+        assert r["simulation"]["noise"] == "measured (sigma 0.070, 3 quantiles)", "default"
         assert r["simulation"]["drafter"].startswith(
             "synthetic draft model" if r["label"].startswith("adaserve") else "none"
         )
