@@ -140,6 +140,11 @@ class CostModel(ABC):
     def seconds(self, tokens: int, context: int, pairs: int) -> float:
         """One forward of `tokens` new tokens reading `context` cached entries."""
 
+    def scheduler_model(self, forget: float) -> ForwardCostModel | None:
+        """The cost model the simulated server's scheduler starts with, when a real server
+        would start with one (None: seed it from the start-up curve, as a fresh server)."""
+        return None
+
     def curve(self, tokens: int, context_per_seq: int, num_seqs: int) -> float:
         """A forward of `tokens` spread over `num_seqs` sequences of `context_per_seq` each."""
         seqs = max(1, min(tokens, num_seqs))
@@ -190,6 +195,11 @@ class ProfileCost(CostModel):
 
     def seconds(self, tokens: int, context: int, pairs: int) -> float:
         return self.model.predict(max(1, tokens), context)
+
+    def scheduler_model(self, forget: float) -> ForwardCostModel:
+        # A server started with this profile (`serve --profile`, or its cached start-up
+        # profile, which the last server refreshed) starts from these coefficients.
+        return ForwardCostModel.from_json(self.model.to_json(), forget=forget)
 
 
 @dataclass(frozen=True)

@@ -138,8 +138,10 @@ def simulate(
         if setup.acceptance is None:
             raise ValueError(f"policy {cfg.policy} speculates: give --acceptance")
         drafter = SyntheticDrafter(engine, setup.acceptance, rng, costly=use_model)
-    cost = ForwardCostModel(forget=cfg.cost_forget)
-    cost.seed(engine.target.cost_points(max(cfg.budget, 64)))
+    cost = setup.cost.target.scheduler_model(cfg.cost_forget)
+    if cost is None:
+        cost = ForwardCostModel(forget=cfg.cost_forget)
+        cost.seed(engine.target.cost_points(max(cfg.budget, 64)))
     sched = Scheduler(cfg, engine, drafter, cost)
     pending = sorted(reqs, key=lambda r: r.send_time_s)
     live: list[tuple[BenchRequest, Request]] = []

@@ -11,6 +11,7 @@ import pytest
 
 from adaserve.bench.trace import BenchRequest, TraceRequest
 from adaserve.config import SchedulerConfig
+from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.profile import LatencyPoint, Profile
 from adaserve.request_manager.policies import SpecShape
 from adaserve.sim.acceptance import (
@@ -238,6 +239,25 @@ def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
     assert dict(noise.quantiles) == pytest.approx(dict(fitted.error_quantiles()))
     run = simulate(bench_requests(3, 0.05), SimSetup(load_cost(str(path)), None, SchedulerConfig()))
     assert all(r.completed for r in run.records)
+
+
+def test_the_simulated_scheduler_starts_from_the_profiles_cost_model(tmp_path: Path) -> None:
+    # A server given a profile (or its cached start-up profile, which the last server
+    # refreshed) starts from its fitted coefficients, long-context slopes included; a
+    # simulation of it must too, not from a start-up curve measured at one short context.
+    g = {1: 0.010, 2: 0.012, 4: 0.015, 8: 0.020, 16: 0.030, 32: 0.050, 64: 0.090}
+    model = ForwardCostModel.from_coefficients(g, 2e-5)
+    points = tuple(LatencyPoint(n, 256, 1000 * model.predict(n, 256)) for n in g)
+    prof = Profile("cpu", "m", None, points, (), 16, 1.5, 256, 20.0)
+    path = replace(prof, cost_model=json.loads(model.to_json())).save(tmp_path / "p.json")
+    first = []
+    simulate(
+        bench_requests(2, 0.05),
+        SimSetup(load_cost(str(path)), None, SchedulerConfig()),
+        on_step=lambda sched: first or first.append(sched.cost.predict(4, 3000)),
+    )
+    assert first[0] == pytest.approx(model.predict(4, 3000), rel=0.02), "not the profile's"
+    assert load_cost("roofline:llama-2-7b@a100-80g").target.scheduler_model(0.98) is None
 
 
 def test_recorded_noise_is_drawn_with_its_shape_centered_on_its_median() -> None:
