@@ -111,7 +111,6 @@ class ForwardCostModel:
         # log(measured / predicted) of the last forwards observed once their bucket had a fit:
         # how far real forwards stray from the prediction (a simulator draws its noise here).
         self._errors: deque[float] = deque(maxlen=ERROR_WINDOW)
-        self.num_scored = 0
         self._dirty = True
         self._slope = 0.0  # pooled, for reporting
         self._knots: list[int] = []  # known buckets, ascending
@@ -190,7 +189,6 @@ class ForwardCostModel:
             return
         cap = math.log(self.outlier_factor)  # a hiccup counts as one outlier, not as infinity
         self._errors.append(min(max(math.log(seconds / predicted), -cap), cap))
-        self.num_scored += 1
 
     def prediction_error(self) -> tuple[int, float, float]:
         """(forwards, mean, standard deviation) of log(measured / predicted), over the last

@@ -5,10 +5,10 @@ that travel in the same forward as the running requests' verification trees, eac
 large as the running requests' SLOs allow (docs/scheduling.md has the rule with examples):
 
     expected tokens of running request r this iteration:  e_r = 1 + sum of its nodes' f(v)
-    pace_r  = (1 - margin) * slo_r         (a little under the SLO: forwards vary around
-                                          their prediction)
-    bank_r  = pace_r * o_r - l_r         (time ahead of its pace, negative when behind; o_r
-                                          tokens after the first in l_r seconds since it)
+    pace_r  = (1 - margin) * slo_r    (a little under the SLO: forwards vary around their
+                                       prediction)
+    bank_r  = pace_r * o_r - l_r      (time ahead of its pace, negative when behind; o_r
+                                       tokens after the first in l_r seconds since it)
     time r may spend on this iteration:
         allow_r = max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r, pace_r))
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
@@ -65,12 +65,12 @@ def tpot_time_limit(
         slo_ms, first = r.params.slo_tpot_ms, r.metrics.first_token_time
         if slo_ms is None or first is None:
             continue
-        tpot = (1.0 - margin) * slo_ms / 1000.0
-        bank = tpot * (len(r.output_token_ids) - 1) - (now - first)
-        pace = tpot * e
-        if pace + min(max(bank, 0.0), tpot) < floor_s:
+        pace = (1.0 - margin) * slo_ms / 1000.0
+        bank = pace * (len(r.output_token_ids) - 1) - (now - first)
+        due = pace * e  # this iteration's share at its pace
+        if due + min(max(bank, 0.0), pace) < floor_s:
             continue  # lost even without prefill: it does not hold prompts back
-        allow = max(floor_s, pace + min(max(bank, -repay * pace), tpot))
+        allow = max(floor_s, due + min(max(bank, -repay * due), pace))
         limit = allow if limit is None else min(limit, allow)
     return limit
 

@@ -283,9 +283,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--noise",
         type=float,
         default=None,
-        help="log-normal sigma of forward times around the cost model (default: the one a "
-        "server measured, if the cost model was recorded by `serve --record-cost-model`; "
-        "else 0)",
+        help="log-normal sigma of forward times around the cost model (default: draw from "
+        "the prediction errors a server measured, when `serve --record-cost-model` recorded "
+        "the cost model; else none)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
