@@ -117,6 +117,12 @@ def test_a_ttft_slo_pulls_its_prompt_forward(target):
     assert firsts[1500.0] < firsts[None], f"the TTFT SLO did not speed the prompt up: {firsts}"
 
 
+# A 2-token decode part, no context, the default chunk bounds (chunk_tokens keyword args).
+CHUNK_ARGS = dict(
+    tree_tokens=2, context=0, max_prefill_chunk=256, max_batched_tokens=2048, min_prefill_chunk=16
+)
+
+
 def linear_cost(tokens: int, context: int) -> float:
     return 0.02 + 0.001 * tokens  # seconds
 
@@ -140,14 +146,7 @@ def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
     lost = Request("b", [1, 2], SamplingParams(slo_tpot_ms=1))  # a 1 ms SLO is lost anyway
     lost.append_token(3, now - 1.0)
     waiting = Request("c", list(range(2, 402)), SamplingParams())
-    args = dict(
-        tree_tokens=2,
-        context=0,
-        now=now,
-        max_prefill_chunk=256,
-        max_batched_tokens=2048,
-        min_prefill_chunk=16,
-    )
+    args = dict(CHUNK_ARGS, now=now)
     # ontime is paced at 95 ms (slo_pace_margin 5%): bank = 0.095 x 10 - 0.91 = 0.04 s ahead,
     # allow = 0.095 x 1 + 0.04 = 0.135 s -> 0.02 + 0.001 (2 + c) <= 0.135 -> c = 113
     n = chunk_tokens(linear_cost, [ontime, lost], [1.0, 1.0], [waiting], **args)
@@ -178,14 +177,7 @@ def test_a_request_behind_its_pace_catches_up_before_prompts_take_its_time():
     assert (cfg.slo_pace_margin, cfg.slo_repay) == (0.05, 0.5)
     now = 50.0
     waiting = Request("w", list(range(2, 402)), SamplingParams())
-    args = dict(
-        tree_tokens=2,
-        context=0,
-        now=now,
-        max_prefill_chunk=256,
-        max_batched_tokens=2048,
-        min_prefill_chunk=16,
-    )
+    args = dict(CHUNK_ARGS, now=now)
 
     def chunk(seconds: float) -> int:
         r = _streamed(100, 10, seconds, now)
