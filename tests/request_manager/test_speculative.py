@@ -19,13 +19,20 @@ BUDGETED = ("adaserve", "adaserve_paper", "global_greedy", "equal_greedy")
 
 
 def make_engine(
-    target, draft, policy: str, num_blocks: int = 128, drafter: str = "auto", **sched
+    target,
+    draft,
+    policy: str,
+    num_blocks: int = 128,
+    drafter: str = "auto",
+    backend: str = "auto",
+    **sched,
 ) -> LLMEngine:
     return LLMEngine(
         ModelConfig(
             model=str(target),
             draft_model=None if draft is None else str(draft),
             drafter=drafter,
+            backend=backend,
         ),
         CacheConfig(block_size=4, num_blocks=num_blocks),
         SchedulerConfig(policy=policy, **sched),
@@ -109,10 +116,15 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
         "List three fruits:",
     ]
     params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * len(prompts)
-    incremental = make_engine(default_model_dir, None, "incremental", num_blocks=256)
+    # The torch backend: its logits do not depend on what else is in the batch, so equality
+    # is exact. On ggml a request's KV cells can be reused out of position order, which moves
+    # near-ties (docs/ggml.md); tests/exec/test_ggml.py has that backend's own check.
+    incremental = make_engine(default_model_dir, None, "incremental", 256, backend="torch")
     ref, _ = run(incremental, prompts, params)
     for policy in [p for p in POLICIES if p != "incremental"]:
-        engine = make_engine(default_model_dir, None, policy, num_blocks=256, drafter="suffix")
+        engine = make_engine(
+            default_model_dir, None, policy, 256, drafter="suffix", backend="torch"
+        )
         got, stats = run(engine, prompts, params)
         assert got == ref, f"{policy} with the suffix drafter differs from incremental greedy"
         accepted = sum(s.accepted_tokens for s in stats if s.kind == "decode")
