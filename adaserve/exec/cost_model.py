@@ -1,11 +1,16 @@
 """Online model of a model runner's forward time: a free curve in the token count, plus a
-context slope per token count.
+context slope per token count, less a saving per token that returns no logits.
 
-    T(n, c) = g(bucket(n)) + a(bucket(n)) * c,        a >= 0
+    T(n, c, s) = g(bucket(n)) + a(bucket(n)) * c - b * s,        a, b >= 0
 
-n is the number of tokens in the forward, c the context tokens attended. bucket(n) is n for
-n <= 32 and the next power of two above; a sample of 40 tokens counts in bucket 64, and a
-prediction for 40 tokens interpolates between buckets 32 and 64.
+n is the number of tokens in the forward, c the context tokens attended, s the silent tokens:
+those whose logits are not computed (prompt-chunk tokens, padding). g is the cost with every
+row's logits; b is one output row's share (the LM head, vocab x hidden per row: about 0.6 ms
+of a 120 ms, 20-token forward of the default model on ggml, 8%). Without it a decode
+iteration carrying a 16-token prompt chunk was priced like 20 decode tokens, ~10% high.
+
+bucket(n) is n for n <= 32 and the next power of two above; a sample of 40 tokens counts
+in bucket 64, and a prediction for 40 tokens interpolates between buckets 32 and 64.
 g is free: on a CPU the second token costs more than eight (no linearity, no monotonicity).
 The slope is per bucket because attention work is query-key pairs, not context: a decode
 forward of n tokens over c context tokens does about c pairs, a 256-token prefill chunk over
@@ -13,9 +18,10 @@ c cached tokens about 256 c. One shared slope, fitted mostly on prefill chunks, 
 decode iteration over long contexts at seconds (2.2 s predicted for a 120 ms forward).
 
 Fit: weighted least squares with exponential forgetting, kept as sufficient statistics per
-bucket k over its samples i (weights w_i, context x_i = c_i / 1024, time y_i):
+bucket k over its samples i (weights w_i, context x_i = c_i / 1024, silent z_i, time y_i):
 
-    W_k = sum w,  X_k = sum w x,  XX_k = sum w x^2,  Y_k = sum w y,  XY_k = sum w x y
+    W_k = sum w,  X_k = sum w x,  XX_k = sum w x^2,  Y_k = sum w y,  XY_k = sum w x y,
+    Z_k = sum w z,  ZZ_k = sum w z^2,  XZ_k = sum w x z,  ZY_k = sum w z y
 
 A new sample in bucket k first multiplies bucket k's statistics by `forget`. Forgetting is per
 bucket, not global, so a rarely used bucket keeps its value instead of fading because others
@@ -24,6 +30,14 @@ were busy. Minimising sum_i w_i (g_k + a_k x_i - y_i)^2 + lambda (a_k - a_0)^2 p
     a_k = max((XY_k - X_k Y_k / W_k + lambda a_0) / (XX_k - X_k^2 / W_k + lambda), 0)
     g_k = (Y_k - a_k X_k) / W_k
     (if g_k < 0: g_k = 0, a_k = max((XY_k + lambda a_0) / (XX_k + lambda), 0): through 0)
+
+b comes first, shared by every bucket: within each bucket, z's and y's spreads with the
+intercept and x taken out (Frisch-Waugh), summed over buckets,
+
+    b = max((-sum_k R_zy,k + lambda_b b_0) / (sum_k R_zz,k + lambda_b), 0)
+
+(b_0: a stored model's b, else 0; lambda_b worth one sample 16 rows off its bucket's mean);
+then each bucket is fitted as below on y + b z.
 
 lambda is a ridge worth one sample at 1024 tokens of context spread. a_0 is the stored slope
 of a model from from_coefficients, else the pooled slope of the bucket's regime (decode-sized
@@ -47,6 +61,10 @@ from typing import Any, TypedDict
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
+_SILENT_RIDGE = 256.0  # pseudo-weight pulling b to its prior: one sample 16 silent rows off
+# Silent rows never take more than this share off a forward's predicted time (a fit on few
+# mixed forwards must not price a big prompt chunk at nothing).
+_MAX_SILENT_SAVING = 0.5
 
 
 class CostCoefficients(TypedDict):
@@ -55,6 +73,7 @@ class CostCoefficients(TypedDict):
     g_s: dict[int, float]  # bucket size -> g, seconds (known buckets only)
     slopes_s_per_token: dict[int, float]  # bucket size -> a, seconds per context token
     slope_s_per_token: float  # the buckets' slopes pooled (weighted by their context spread)
+    silent_row_s: float  # b: seconds saved per token that returns no logits
 
 
 def bucket_of(tokens: int) -> int:
@@ -64,11 +83,13 @@ def bucket_of(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
-def _check(tokens: int, context: int) -> None:
+def _check(tokens: int, context: int, silent: int = 0) -> None:
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
+    if not 0 <= silent <= tokens:
+        raise ValueError(f"silent tokens must be in [0, {tokens}], got {silent}")
 
 
 _MEMO_SIZE = 4096
@@ -82,7 +103,8 @@ ERROR_LEVELS = (
 
 
 class ForwardCostModel:
-    """Online T(n, c) = g(bucket(n)) + a(bucket(n)) * c for one model runner, in seconds."""
+    """Online T(n, c, s) = g(bucket(n)) + a(bucket(n)) * c - b * s for one model runner, in
+    seconds."""
 
     def __init__(
         self,
@@ -100,12 +122,15 @@ class ForwardCostModel:
         self.min_observations_for_outliers = min_observations_for_outliers
         # This many rejections in a row in one bucket means the cost really changed: accept.
         self.max_consecutive_outliers = max_consecutive_outliers
-        self._stats: dict[int, list[float]] = {}  # bucket -> [W, X, XX, Y, XY]
+        self._stats: dict[int, list[float]] = {}  # bucket -> [W, X, XX, Y, XY, Z, ZZ, XZ, ZY]
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
         self._slope_priors: dict[int, float] = {}  # per-bucket a_0 (from a stored model)
         self._slope_weight = _SLOPE_RIDGE
+        self._silent_prior = 0.0  # b_0, seconds per silent token
+        self._silent_weight = _SILENT_RIDGE
+        self._silent = 0.0  # b
         self.num_observations = 0
         self.num_rejected = 0
         # log(measured / predicted) of the last forwards observed once their bucket had a fit:
@@ -116,23 +141,18 @@ class ForwardCostModel:
         self._knots: list[int] = []  # known buckets, ascending
         self._values: list[float] = []  # g at the knots, seconds
         self._slopes: list[float] = []  # a at the knots, seconds per context token
-        # (tokens, context) -> predicted seconds, until the next fit: selection and pruning
-        # ask for the same few shapes thousands of times per iteration.
-        self._memo: dict[tuple[int, int], float] = {}
+        # (tokens, context, silent) -> predicted seconds, until the next fit: selection and
+        # pruning ask for the same few shapes thousands of times per iteration.
+        self._memo: dict[tuple[int, int, int], float] = {}
 
     # ---- data in -------------------------------------------------------------------------
 
-    def _add(self, tokens: int, context: int, seconds: float, weight: float, decay: float) -> None:
-        self._add_at(bucket_of(tokens), context, seconds, weight, decay)
-
-    def _add_scaled(self, k: int, context: float, seconds: float, weight: float) -> None:
-        """One observation expressed as a bucket-k sample of the given weight (it decays)."""
-        self._add_at(k, context, seconds, weight, decay=self.forget)
-
-    def _add_at(self, k: int, context: float, seconds: float, weight: float, decay: float) -> None:
-        x = context / _CONTEXT_SCALE
-        s = self._stats.setdefault(k, [0.0] * 5)
-        for i, term in enumerate((1.0, x, x * x, seconds, x * seconds)):
+    def _add_at(
+        self, k: int, context: float, silent: int, seconds: float, weight: float, decay: float
+    ) -> None:
+        x, z, y = context / _CONTEXT_SCALE, float(silent), seconds
+        s = self._stats.setdefault(k, [0.0] * 9)
+        for i, term in enumerate((1.0, x, x * x, y, x * y, z, z * z, x * z, z * y)):
             s[i] = s[i] * decay + weight * term
         self._dirty = True
 
@@ -142,16 +162,17 @@ class ForwardCostModel:
             raise ValueError(f"seed weight must be > 0, got {weight}")
         for tokens, context, seconds in points:
             _check(tokens, context)
-            self._add(tokens, context, float(seconds), weight, decay=1.0)
+            self._add_at(bucket_of(tokens), context, 0, float(seconds), weight, decay=1.0)
 
-    def observe(self, tokens: int, context: int, seconds: float) -> bool:
-        """Add one measured forward; returns False if it was rejected as an outlier."""
-        _check(tokens, context)
+    def observe(self, tokens: int, context: int, seconds: float, silent: int = 0) -> bool:
+        """Add one measured forward of `tokens` tokens, `silent` of them without logits;
+        returns False if it was rejected as an outlier."""
+        _check(tokens, context, silent)
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds}")
         k = bucket_of(tokens)
         if self._counts.get(k, 0) >= self.min_observations_for_outliers:
-            predicted = self.predict(tokens, context)
+            predicted = self.predict(tokens, context, silent)
             self._note_error(seconds, predicted)
             limit = self.outlier_factor * predicted
             streak = self._streak.get(k, 0)
@@ -172,16 +193,17 @@ class ForwardCostModel:
             # one would price every forward of 33-63 tokens at 64's cost, and so pull g(64)
             # down to the smaller forwards' times.
             f = (tokens - lo) / (k - lo)
+            # (T_lo and T_k at this forward's silent count: the sample adds to bucket k with it.)
             if self._dirty:
                 self._solve()
-            low = self._g(lo) + self._a(lo) * context
+            low = self._g(lo) + self._a(lo) * context - self._silent * silent
             implied = (seconds - (1.0 - f) * low) / f
             # Dividing by a small f amplifies any error in T_lo: keep what the sample can
             # mean, a k-token forward costing at least this one and at most k/tokens of it.
             implied = min(max(implied, seconds), seconds * k / tokens)
-            self._add_scaled(k, context, implied, f * f)
+            self._add_at(k, context, silent, implied, f * f, decay=self.forget)
             return True
-        self._add(tokens, context, float(seconds), 1.0, decay=self.forget)
+        self._add_at(k, context, silent, float(seconds), 1.0, decay=self.forget)
         return True
 
     def _note_error(self, seconds: float, predicted: float) -> None:
@@ -210,13 +232,32 @@ class ForwardCostModel:
 
     # ---- fit -----------------------------------------------------------------------------
 
+    def _solve_silent(self) -> float:
+        """b: the per-silent-token saving, pooled over buckets (see the module docstring)."""
+        rzz = rzy = 0.0
+        for w, x, xx, y, xy, z, zz, xz, zy in self._stats.values():
+            sxx, sxz, szz = xx - x * x / w, xz - x * z / w, zz - z * z / w
+            sxy, szy = xy - x * y / w, zy - z * y / w
+            if sxx > 1e-12 * w:  # take out what the context explains of both
+                szz, szy = szz - sxz * sxz / sxx, szy - sxz * sxy / sxx
+            rzz += max(szz, 0.0)
+            rzy += szy
+        lam = self._silent_weight
+        return max((-rzy + lam * self._silent_prior) / (rzz + lam), 0.0)
+
     def _solve(self) -> None:
         self._knots = sorted(self._stats)
         lam = self._slope_weight
+        b = self._silent = self._solve_silent()
+        # Each bucket fits y + b z: its times as if every row had returned logits.
+        adjusted = {}
+        for k in self._knots:
+            w, x, xx, y, xy, z, _, xz, _ = self._stats[k]
+            adjusted[k] = (w, x, xx, y + b * z, xy + b * xz)
         # First pass: each bucket's own slope (toward the stored prior) and its context spread.
         fits = {}
         for k in self._knots:
-            w, x, xx, y, xy = self._stats[k]
+            w, x, xx, y, xy = adjusted[k]
             spread = max(xx - x * x / w, 0.0)
             prior = self._slope_priors.get(k, self._slope_prior) * _CONTEXT_SCALE
             fits[k] = (spread, xy - x * y / w, prior)
@@ -231,7 +272,7 @@ class ForwardCostModel:
             pooled[small] = max(cov / spread, 0.0) if spread > 0 else None
         self._values, self._slopes = [], []
         for k in self._knots:
-            w, x, _, y, _ = self._stats[k]
+            w, x, _, y, _ = adjusted[k]
             spread, cov, prior = fits[k]
             borrowed = pooled[k <= _EXACT_BUCKETS]
             if k not in self._slope_priors and borrowed is not None:
@@ -241,7 +282,7 @@ class ForwardCostModel:
             if g < 0:
                 # A steep slope over contexts far from 0 can put the intercept below zero,
                 # pricing the same forward over a short context at nothing: fit through 0.
-                _, _, xx, _, xy = self._stats[k]
+                _, _, xx, _, xy = adjusted[k]
                 g, a = 0.0, max((xy + lam * prior) / (xx + lam), 0.0)
             self._values.append(g)
             self._slopes.append(a / _CONTEXT_SCALE)
@@ -259,14 +300,16 @@ class ForwardCostModel:
         """The context slope at bucket k, the same way (held at the last beyond the largest)."""
         return _interpolate(self._knots, self._slopes, k, extend=False)
 
-    def predict(self, tokens: int, context: int) -> float:
-        """Predicted forward seconds for `tokens` tokens over `context` tokens (0 with no data)."""
+    def predict(self, tokens: int, context: int, silent: int = 0) -> float:
+        """Predicted forward seconds for `tokens` tokens over `context` tokens, `silent` of
+        them without logits (0 with no data)."""
         if self._dirty:
             self._solve()
-        hit = self._memo.get((tokens, context))
+        key = (tokens, context, silent)
+        hit = self._memo.get(key)
         if hit is not None:
             return hit
-        _check(tokens, context)
+        _check(tokens, context, silent)
         k = bucket_of(tokens)
         value = self._g(k) + self._a(k) * context
         if k != tokens:
@@ -276,19 +319,21 @@ class ForwardCostModel:
             low = self._g(lo) + self._a(lo) * context
             value = low + (value - low) * (tokens - lo) / (k - lo)
         value = max(value, 0.0)
+        value -= min(self._silent * silent, _MAX_SILENT_SAVING * value)
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
-        self._memo[(tokens, context)] = value
+        self._memo[key] = value
         return value
 
-    def best_padded(self, tokens: int, context: int, max_tokens: int) -> int:
+    def best_padded(self, tokens: int, context: int, max_tokens: int, silent: int = 0) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted
-        time, smallest on ties; `tokens` itself when max_tokens <= tokens."""
-        best, best_s = tokens, self.predict(tokens, context)
+        time, smallest on ties; `tokens` itself when max_tokens <= tokens. Padding rows are
+        silent (they return no logits)."""
+        best, best_s = tokens, self.predict(tokens, context, silent)
         m = tokens + 1
         while m <= max_tokens:
             if bucket_of(m) == m:
-                s = self.predict(m, context)
+                s = self.predict(m, context, silent + m - tokens)
                 if s < best_s:
                     best, best_s = m, s
                 m += 1
@@ -299,13 +344,14 @@ class ForwardCostModel:
     # ---- persistence -----------------------------------------------------------------------
 
     def coefficients(self) -> CostCoefficients:
-        """Per-bucket g and context slope a of the known buckets, and the pooled slope."""
+        """Per-bucket g and context slope a of the known buckets, the pooled slope, and b."""
         if self._dirty:
             self._solve()
         return {
             "g_s": dict(zip(self._knots, self._values)),
             "slopes_s_per_token": dict(zip(self._knots, self._slopes)),
             "slope_s_per_token": self._slope,
+            "silent_row_s": self._silent,
         }
 
     @classmethod
@@ -314,10 +360,14 @@ class ForwardCostModel:
         g_s: Mapping[int, float],
         slope_s_per_token: float | Mapping[int, float],
         weight: float = 3.0,
+        silent_row_s: float = 0.0,
         **kwargs: Any,
     ) -> ForwardCostModel:
         """A model seeded with a profile: each g value and its bucket's slope (one slope for
-        every bucket, or one per bucket) count as `weight` samples."""
+        every bucket, or one per bucket) count as `weight` samples; `silent_row_s` is b's
+        prior (it holds until forwards with silent tokens are observed)."""
+        if silent_row_s < 0:
+            raise ValueError(f"silent_row_s must be >= 0, got {silent_row_s}")
         slopes = (
             dict(slope_s_per_token)
             if isinstance(slope_s_per_token, Mapping)
@@ -331,6 +381,8 @@ class ForwardCostModel:
         if not isinstance(slope_s_per_token, Mapping):
             model._slope_prior = float(slope_s_per_token)
         model._slope_weight = weight
+        model._silent_prior = float(silent_row_s)
+        model._silent_weight = _SILENT_RIDGE * weight
         return model
 
     def to_json(self) -> str:
@@ -340,6 +392,7 @@ class ForwardCostModel:
             "g_s": {str(k): v for k, v in coef["g_s"].items()},
             "slopes_s_per_token": {str(k): v for k, v in coef["slopes_s_per_token"].items()},
             "slope_s_per_token": coef["slope_s_per_token"],
+            "silent_row_s": coef["silent_row_s"],
         }
         n, mean, sigma = self.prediction_error()
         if n:
@@ -354,13 +407,15 @@ class ForwardCostModel:
     @classmethod
     def from_json(cls, text: str, weight: float = 3.0, **kwargs: Any) -> ForwardCostModel:
         """Inverse of to_json: a model seeded with the stored coefficients (a model stored
-        before per-bucket slopes gives its one slope to every bucket)."""
+        before per-bucket slopes gives its one slope to every bucket; one stored before b
+        has b = 0)."""
         data = json.loads(text)
         g_s = {int(k): float(v) for k, v in data["g_s"].items()}
+        silent = float(data.get("silent_row_s", 0.0))
+        slopes: float | dict[int, float] = float(data["slope_s_per_token"])
         if "slopes_s_per_token" in data:
             slopes = {int(k): float(v) for k, v in data["slopes_s_per_token"].items()}
-            return cls.from_coefficients(g_s, slopes, weight, **kwargs)
-        return cls.from_coefficients(g_s, float(data["slope_s_per_token"]), weight, **kwargs)
+        return cls.from_coefficients(g_s, slopes, weight, silent, **kwargs)
 
 
 def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) -> float:

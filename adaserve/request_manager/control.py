@@ -160,20 +160,20 @@ class SpeculationController:
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         return max(self.verify_cost.predict(padded, context), MIN_FORWARD_S)
 
-    def pad_to(self, tokens: int, context: int) -> int:
+    def pad_to(self, tokens: int, context: int, silent: int = 0) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
 
         Only for a clear saving (PAD_MIN_SAVING), and every PAD_EXPLORE-th padded forward runs
         unpadded instead, so the cost of the exact size is measured again and a seed that was
         too high cannot keep us padding forever.
         """
-        best = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
+        cost = self.verify_cost
+        best = cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens), silent)
         if best == tokens:
             return tokens
         self.num_padded += 1
-        saving = 1.0 - self.verify_cost.predict(best, context) / self.verify_cost.predict(
-            tokens, context
-        )
+        padded_s = cost.predict(best, context, silent + best - tokens)
+        saving = 1.0 - padded_s / cost.predict(tokens, context, silent)
         if saving < PAD_MIN_SAVING or self.num_padded % PAD_EXPLORE == 0:
             return tokens
         return best

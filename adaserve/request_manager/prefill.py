@@ -14,7 +14,8 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
               can still meet (pace_r * e_r + min(max(bank_r, 0), pace_r) >= T(n_tree, ctx);
               a TPOT already lost does not hold prompts back)      (none: no TPOT limit)
-    chunk   = largest c <= cap with T(n_tree + c, ctx + c) <= T_max   (T: the cost model)
+    chunk   = largest c <= cap with T(n_tree + c, ctx + c, c) <= T_max
+              (T: the cost model; the c prompt tokens are silent, they return no logits)
     cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
               much), max_num_batched_tokens when nothing does
     chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
@@ -26,8 +27,9 @@ caught up: a deficit is repaid, not carried to the end of the stream.
 
 TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
 one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
-ceil(R / c) * T(n_tree + c) <= deadline - now, raises the chunk to c_ttft (capped); a deadline
-no chunk can meet any more does not (a first token already late does not outrank TPOTs).
+ceil(R / c) * T(n_tree + c, ctx + c, c) <= deadline - now, raises the chunk to c_ttft
+(capped); a deadline no chunk can meet any more does not (a first token already late does
+not outrank TPOTs).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ from collections.abc import Callable, Sequence
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.request import Request
 
-# Predicted seconds of a forward of (tokens, context tokens).
-CostFn = Callable[[int, int], float]
+# Predicted seconds of a forward of (tokens, context tokens, silent tokens): silent ones
+# return no logits, as prompt-chunk tokens (the last chunk's final one aside) do not.
+CostFn = Callable[[int, int, int], float]
 
 
 def prefill_target(req: Request) -> int:
@@ -76,13 +79,14 @@ def tpot_time_limit(
 
 
 def largest_chunk(cost: CostFn, tree_tokens: int, context: int, limit_s: float, cap: int) -> int:
-    """Largest c in [0, cap] with cost(tree_tokens + c, context + c) <= limit_s (0 if none)."""
-    if cap <= 0 or cost(tree_tokens + 1, context + 1) > limit_s:
+    """Largest c in [0, cap] with cost(tree_tokens + c, context + c, c) <= limit_s (0 if
+    none)."""
+    if cap <= 0 or cost(tree_tokens + 1, context + 1, 1) > limit_s:
         return 0
     lo, hi = 1, cap  # cost(lo) fits; find the last c that fits (cost grows with c)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if cost(tree_tokens + mid, context + mid) <= limit_s:
+        if cost(tree_tokens + mid, context + mid, mid) <= limit_s:
             lo = mid
         else:
             hi = mid - 1
@@ -95,7 +99,7 @@ def ttft_chunk(
     """Smallest chunk that finishes `remaining` prompt tokens within `time_left_s`, or None."""
 
     def in_time(c: int) -> bool:
-        return math.ceil(remaining / c) * cost(tree_tokens + c, context + c) <= time_left_s
+        return math.ceil(remaining / c) * cost(tree_tokens + c, context + c, c) <= time_left_s
 
     hi = min(cap, remaining)  # a chunk larger than what is left buys nothing
     if hi <= 0 or time_left_s <= 0 or not in_time(hi):
@@ -129,7 +133,7 @@ def chunk_tokens(
     if pending <= 0:
         return 0
     cap = max_prefill_chunk if running else max_batched_tokens
-    floor = cost(max(tree_tokens, 1), context) if running else 0.0
+    floor = cost(max(tree_tokens, 1), context, 0) if running else 0.0
     limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap)
     ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)

@@ -203,10 +203,11 @@ class Scheduler:
                 iteration = max(iteration, self.decode_period_s * after / now)
         return iteration / self.tokens_per_request
 
-    def iteration_s(self, tokens: int, context: int) -> float:
-        """Predicted wall time of an iteration whose forward runs `tokens` tokens."""
+    def iteration_s(self, tokens: int, context: int, silent: int = 0) -> float:
+        """Predicted wall time of an iteration whose forward runs `tokens` tokens, `silent` of
+        them without logits (prompt-chunk tokens)."""
         assert self.cost is not None
-        return self.cost.predict(tokens, context) + self.host_s
+        return self.cost.predict(tokens, context, silent) + self.host_s
 
     def slo_refusal(self, slo_tpot_ms: float | None) -> str | None:
         """Why a request with this TPOT SLO should be refused now, or None to admit it.
@@ -459,15 +460,19 @@ class Scheduler:
             stats.num_tokens = stats.prefill_tokens
         ctl = self.controller
         pad = ctl is not None and self.engine.target.supports_padding
-        pad_to = ctl.pad_to(total, context) if pad else total
+        wanted = builder.batch.logits_indices
+        silent = 0 if wanted is None else total - len(wanted)  # chunk tokens, mostly
+        pad_to = ctl.pad_to(total, context, silent) if pad else total
         t_forward = self.clock()
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
         now = self.clock()
         stats.padded_tokens = pad_to
         stats.forward_s = now - t_forward
         if self.cost is not None:
+            chunk_context = sum(r.num_cached for r, _ in chunks)
+            # Padding rows return no logits either.
             self.cost.observe(
-                pad_to, context + sum(r.num_cached for r, _ in chunks), now - t_forward
+                pad_to, context + chunk_context, now - t_forward, silent + pad_to - total
             )
         self._draft_prefill(chunks)
         self._chunk_features(chunks, flat)

@@ -137,8 +137,9 @@ class CostModel(ABC):
     backend = "torch"
 
     @abstractmethod
-    def seconds(self, tokens: int, context: int, pairs: int) -> float:
-        """One forward of `tokens` new tokens reading `context` cached entries."""
+    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
+        """One forward of `tokens` new tokens reading `context` cached entries, `silent` of
+        the tokens returning no logits."""
 
     def scheduler_model(self, forget: float) -> ForwardCostModel | None:
         """The cost model the simulated server's scheduler starts with, when a real server
@@ -175,7 +176,8 @@ class RooflineCost(CostModel):
             )
         self.kv_tokens = int(free // model.kv_bytes_per_token)
 
-    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
+        # Silent rows skip the LM head, 1-2% of these models' weights per row: not modelled.
         m, g = self.model, self.gpu
         byts = (m.parameters * BYTES_PER_PARAM + context * m.kv_bytes_per_token) / self.tp
         flops = (2 * m.parameters * tokens + 4 * m.layers * m.hidden * pairs) / self.tp
@@ -193,8 +195,9 @@ class ProfileCost(CostModel):
     def __init__(self, model: ForwardCostModel, name: str, backend: str = "torch") -> None:
         self.model, self.name, self.backend = model, name, backend
 
-    def seconds(self, tokens: int, context: int, pairs: int) -> float:
-        return self.model.predict(max(1, tokens), context)
+    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
+        tokens = max(1, tokens)
+        return self.model.predict(tokens, context, min(silent, tokens))
 
     def scheduler_model(self, forget: float) -> ForwardCostModel:
         # A server started with this profile (`serve --profile`, or its cached start-up

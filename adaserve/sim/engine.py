@@ -95,8 +95,8 @@ class SimRunner:
         q = tokens / max(1, num_seqs)
         return self._spend(tokens, context, int(tokens * (context / max(1, num_seqs) + q)))
 
-    def _spend(self, tokens: int, context: int, pairs: int) -> float:
-        s = self.cost.seconds(tokens, context, pairs)
+    def _spend(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
+        s = self.cost.seconds(tokens, context, pairs, silent)
         if self.noise is not None:
             s *= self.noise.factor(self.rng)
         self.clock.advance(s)
@@ -108,8 +108,9 @@ class SimRunner:
         n = len(batch.token_ids)
         context = sum(kv - q for kv, q in zip(batch.kv_lens, batch.query_lens))
         pairs = sum(q * kv for kv, q in zip(batch.kv_lens, batch.query_lens))
-        self._spend(max(n, pad_to or 0), context, pairs)
         rows = range(n) if batch.logits_indices is None else batch.logits_indices
+        padded = max(n, pad_to or 0)
+        self._spend(padded, context, pairs, padded - len(rows))  # (padding rows are silent)
         if not self.target or not rows:
             return None
         ids, pos = batch.token_ids, batch.positions

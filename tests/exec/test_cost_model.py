@@ -193,6 +193,40 @@ def test_a_mispriced_lower_bucket_does_not_blow_up_the_upper_one():
     assert 0.6 <= model.predict(512, 0) <= 0.6 * 512 / 300 + 1e-9
 
 
+def test_tokens_without_logits_are_priced_apart_from_decode_tokens():
+    """A forward carrying a prompt chunk returns logits for its decode rows only; the LM head
+    rows it skips are a saving per silent token (8% of a 20-token forward of the default
+    model on ggml). Bucket 20 sees both kinds of forward; each must be priced as it is."""
+    row_s, model, rng = 0.0006, ForwardCostModel(), random.Random(11)
+    for _ in range(400):
+        tokens, context = rng.randint(4, 24), rng.randint(500, 6000)
+        silent = rng.choice((0, 0, tokens - 4, tokens - 8 if tokens > 8 else 0))
+        true = g_cpu(tokens) + 0.004 * tokens + SLOPE * context - row_s * silent
+        model.observe(tokens, context, true * rng.uniform(0.98, 1.02), silent)
+    b = model.coefficients()["silent_row_s"]
+    assert b == pytest.approx(row_s, rel=0.15), f"b {b * 1e3:.2f} ms, true {row_s * 1e3:.2f}"
+    for silent in (0, 16):
+        want = g_cpu(20) + 0.004 * 20 + SLOPE * 3000 - row_s * silent
+        got = model.predict(20, 3000, silent)
+        assert got == pytest.approx(want, rel=0.03), f"T(20, 3000, {silent}) = {got * 1e3:.1f}"
+    again = ForwardCostModel.from_json(model.to_json())
+    assert again.predict(20, 3000, 16) == pytest.approx(model.predict(20, 3000, 16), rel=0.02)
+    # A model stored before b existed prices silent tokens like any other.
+    old = json.loads(model.to_json())
+    del old["silent_row_s"]
+    older = ForwardCostModel.from_json(json.dumps(old))
+    assert older.predict(20, 3000, 16) == older.predict(20, 3000)
+    with pytest.raises(ValueError, match="silent tokens"):
+        model.predict(4, 0, 5)
+
+
+def test_silent_tokens_never_take_more_than_half_a_forward():
+    # Few mixed forwards can fit a b too steep for a big chunk: it stays a real cost.
+    model = ForwardCostModel.from_coefficients({1: 0.01, 256: 0.05}, 0.0, silent_row_s=0.001)
+    assert model.predict(256, 0, 255) == pytest.approx(0.025)
+    assert model.predict(256, 0, 10) == pytest.approx(0.04)
+
+
 def test_json_round_trip():
     model = ForwardCostModel()
     sample(model, random.Random(4), 1000)

@@ -63,6 +63,38 @@ def test_preemption_in_the_middle_of_a_prefill_recomputes_it(target):
     assert e.engine.target.cache.allocator.num_used == 0
 
 
+def test_the_cost_model_learns_prompt_tokens_as_silent(target):
+    # The forward's tokens without logits (prompt chunks, but a prompt's last token) go to
+    # the cost model as silent, so it learns their price apart from decode tokens.
+    e = engine(target, "incremental", chunked=True, max_prefill_chunk=16, min_prefill_chunk=16)
+    cost, seen = e.scheduler.cost, []
+    observe = cost.observe
+
+    def spy(tokens: int, context: int, seconds: float, silent: int = 0) -> bool:
+        seen.append((tokens, silent))
+        return observe(tokens, context, seconds, silent)
+
+    cost.observe = spy
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    e.add_request([(j % 90) + 2 for j in range(10)], params)
+    steps = []
+    while e.has_unfinished():
+        if len(steps) == 3:
+            e.add_request([(j % 80) + 3 for j in range(60)], params)
+        e.step()
+        steps.append(e.last_stats)
+    assert len(seen) == len(steps)
+    mixed = 0
+    for (tokens, silent), st in zip(seen, steps):
+        decoded = st.num_tokens if st.kind == "decode" else 0
+        assert tokens == st.padded_tokens
+        padding = tokens - decoded - st.prefill_tokens
+        last = st.prefill_requests if st.prefill_tokens else 0  # a finished prompt's last row
+        assert st.prefill_tokens - last + padding <= silent <= st.prefill_tokens + padding
+        mixed += st.kind == "decode" and st.prefill_tokens > 0
+    assert mixed >= 2, "no decode iteration carried a prompt chunk: the test shows nothing"
+
+
 def slowed(e: LLMEngine, per_token_s: float, fixed_s: float) -> LLMEngine:
     """A target whose forward costs fixed_s + per_token_s x tokens more (on the engine clock)."""
     return slow_forwards(e, lambda n: fixed_s + per_token_s * n)
@@ -123,7 +155,7 @@ CHUNK_ARGS = dict(
 )
 
 
-def linear_cost(tokens: int, context: int) -> float:
+def linear_cost(tokens: int, context: int, silent: int) -> float:
     return 0.02 + 0.001 * tokens  # seconds
 
 
@@ -135,6 +167,17 @@ def test_largest_chunk_and_ttft_chunk_solve_their_inequalities():
     c = ttft_chunk(linear_cost, 4, 0, 1000, 2.0, 2048)
     assert c == 25, f"chunk {c} is not the smallest that meets the deadline"
     assert ttft_chunk(linear_cost, 4, 0, 1000, 0.01, 2048) is None, "a lost deadline"
+
+
+def test_prompt_tokens_are_priced_as_silent_rows():
+    # Prompt-chunk tokens return no logits: a cost model that knows it affords more of them.
+    def cheaper_prompt(tokens: int, context: int, silent: int) -> float:
+        return linear_cost(tokens, context, silent) - 0.0005 * silent
+
+    assert largest_chunk(cheaper_prompt, 4, 0, 0.1, 500) == 152  # 0.024 + 0.0005 c = 0.1
+    assert ttft_chunk(cheaper_prompt, 4, 0, 1000, 2.0, 2048) < ttft_chunk(
+        linear_cost, 4, 0, 1000, 2.0, 2048
+    )
 
 
 def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():

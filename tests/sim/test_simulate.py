@@ -26,11 +26,13 @@ from adaserve.sim.cost import (
     CostModel,
     CostSpec,
     ForwardNoise,
+    ProfileCost,
     RooflineCost,
     baseline_latency_ms,
     derive_sim_budget,
     load_cost,
 )
+from adaserve.sim.engine import SimRunner, VirtualClock
 from adaserve.sim.run import SimSetup, simulate
 
 
@@ -42,7 +44,7 @@ class ConstantCost(CostModel):
     def __init__(self, seconds: float) -> None:
         self.s = seconds
 
-    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
         return self.s
 
 
@@ -52,7 +54,7 @@ class LinearCost(CostModel):
     def __init__(self, base_s: float = 0.020) -> None:
         self.base_s = base_s
 
-    def seconds(self, tokens: int, context: int, pairs: int) -> float:
+    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
         return self.base_s + 0.0005 * tokens + 1e-7 * context
 
 
@@ -258,6 +260,26 @@ def test_the_simulated_scheduler_starts_from_the_profiles_cost_model(tmp_path: P
     )
     assert first[0] == pytest.approx(model.predict(4, 3000), rel=0.02), "not the profile's"
     assert load_cost("roofline:llama-2-7b@a100-80g").target.scheduler_model(0.98) is None
+
+
+def test_a_prompt_chunk_costs_what_the_profile_says_silent_rows_cost() -> None:
+    # Rows without logits (prompt chunks, padding) cost b less each, as on the real server.
+    from adaserve.exec.engine import SequenceBatchBuilder
+
+    g = {1: 0.010, 4: 0.012, 16: 0.020, 32: 0.030}
+    model = ForwardCostModel.from_coefficients(g, 0.0, silent_row_s=0.0002)
+    clock = VirtualClock()
+    runner = SimRunner(ProfileCost(model, "p", "ggml"), 64, 4, clock)
+    spent = {}
+    for logits in ("all", "last"):
+        builder = SequenceBatchBuilder()
+        builder.add([5] * 4, [0, 1, 2, 3], 4, [], logits="all")  # four decoding rows
+        builder.add([6] * 16, list(range(16)), 16, [], logits=logits)  # a prompt chunk
+        start = clock()
+        runner.forward(builder.batch)
+        spent[logits] = clock() - start
+    assert spent["all"] == pytest.approx(model.predict(20, 0))
+    assert spent["all"] - spent["last"] == pytest.approx(15 * 0.0002)
 
 
 def test_recorded_noise_is_drawn_with_its_shape_centered_on_its_median() -> None:
