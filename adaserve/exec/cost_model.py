@@ -1,43 +1,45 @@
 """Online model of a model runner's forward time: a free curve in the token count, plus a
-context slope per token count, less a saving per token that returns no logits.
+context slope per token count, and what its prompt tokens cost apart from decode tokens.
 
-    T(n, c, s) = g(bucket(n)) + a(bucket(n)) * c - b * s,        a, b >= 0
+    T(n, c, s, q) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q,      a, b, e >= 0
 
-n is the number of tokens in the forward, c the context tokens attended, s the silent tokens:
-those whose logits are not computed (prompt-chunk tokens, padding). g is the cost with every
-row's logits; b is one output row's share (the LM head, vocab x hidden per row: about 0.6 ms
-of a 120 ms, 20-token forward of the default model on ggml, 8%). Without it a decode
-iteration carrying a 16-token prompt chunk was priced like 20 decode tokens, ~10% high.
+n is the number of tokens in the forward, c the context tokens its sequences attend (each
+sequence's cached tokens, once). s of the n tokens are silent: their logits are not computed
+(prompt-chunk tokens, padding), and q is the keys those silent tokens attend (a chunk of m
+tokens after p cached ones: m p + m (m + 1) / 2). g is the cost with every row's logits.
+b is one output row's share (the LM head, vocab x hidden per row: on ggml, 4 decode + 16
+prompt tokens over 24 x 300 cached took 112 ms, the same 20 tokens all with logits 122 ms).
+e prices a chunk's attention, which c counts once per sequence while each chunk token does
+it: a 16-token chunk 1,000 tokens into its prompt does 16,000 query-key pairs where a decode
+token does 1,000. Without these two terms every decode iteration carrying a prompt chunk was
+priced as if its tokens were decode tokens (~10% high for small chunks near the start of a
+prompt, low for chunks deep in a long one).
 
 bucket(n) is n for n <= 32 and the next power of two above; a sample of 40 tokens counts
 in bucket 64, and a prediction for 40 tokens interpolates between buckets 32 and 64.
 g is free: on a CPU the second token costs more than eight (no linearity, no monotonicity).
 The slope is per bucket because attention work is query-key pairs, not context: a decode
-forward of n tokens over c context tokens does about c pairs, a 256-token prefill chunk over
-c cached tokens about 256 c. One shared slope, fitted mostly on prefill chunks, priced a
-decode iteration over long contexts at seconds (2.2 s predicted for a 120 ms forward).
+forward of n tokens over c context tokens does about c pairs, a tree of k tokens per request
+about k c. One shared slope, fitted mostly on prefill chunks, priced a decode iteration over
+long contexts at seconds (2.2 s predicted for a 120 ms forward).
 
 Fit: weighted least squares with exponential forgetting, kept as sufficient statistics per
-bucket k over its samples i (weights w_i, context x_i = c_i / 1024, silent z_i, time y_i):
+bucket k: the weighted moments M_k = sum_i w_i v_i v_i^T of v = (1, x, z, u, y) over its
+samples (x = c / 1024, z = s, u = q / 65536, y seconds). A new sample in bucket k first
+multiplies bucket k's moments by `forget`. Forgetting is per bucket, not global, so a rarely
+used bucket keeps its value instead of fading because others were busy.
 
-    W_k = sum w,  X_k = sum w x,  XX_k = sum w x^2,  Y_k = sum w y,  XY_k = sum w x y,
-    Z_k = sum w z,  ZZ_k = sum w z^2,  XZ_k = sum w x z,  ZY_k = sum w z y
+b and e come first, shared by every bucket: in each bucket the spreads of z, u and y with
+the intercept and x taken out (Frisch-Waugh), summed over buckets, give a 2 x 2 ridge least
+squares for (-b, e) (toward a stored model's values, else 0; each ridge worth one sample 2
+rows or 6,554 pairs off its bucket's mean; a coefficient of the wrong sign is held at 0 and
+the other refitted alone). Then each bucket is fitted on y' = y + b z - e u, minimising
+sum_i w_i (g_k + a_k x_i - y'_i)^2 + lambda (a_k - a_0)^2, with W, X, XX, Y', XY' its sums
+of w, w x, w x^2, w y', w x y':
 
-A new sample in bucket k first multiplies bucket k's statistics by `forget`. Forgetting is per
-bucket, not global, so a rarely used bucket keeps its value instead of fading because others
-were busy. Minimising sum_i w_i (g_k + a_k x_i - y_i)^2 + lambda (a_k - a_0)^2 per bucket:
-
-    a_k = max((XY_k - X_k Y_k / W_k + lambda a_0) / (XX_k - X_k^2 / W_k + lambda), 0)
-    g_k = (Y_k - a_k X_k) / W_k
-    (if g_k < 0: g_k = 0, a_k = max((XY_k + lambda a_0) / (XX_k + lambda), 0): through 0)
-
-b comes first, shared by every bucket: within each bucket, z's and y's spreads with the
-intercept and x taken out (Frisch-Waugh), summed over buckets,
-
-    b = max((-sum_k R_zy,k + lambda_b b_0) / (sum_k R_zz,k + lambda_b), 0)
-
-(b_0: a stored model's b, else 0; lambda_b worth one sample 16 rows off its bucket's mean);
-then each bucket is fitted as below on y + b z.
+    a_k = max((XY'_k - X_k Y'_k / W_k + lambda a_0) / (XX_k - X_k^2 / W_k + lambda), 0)
+    g_k = (Y'_k - a_k X_k) / W_k
+    (if g_k < 0: g_k = 0, a_k = max((XY'_k + lambda a_0) / (XX_k + lambda), 0): through 0)
 
 lambda is a ridge worth one sample at 1024 tokens of context spread. a_0 is the stored slope
 of a model from from_coefficients, else the pooled slope of the bucket's regime (decode-sized
@@ -46,7 +48,8 @@ a bucket whose contexts barely varied borrows its neighbours' evidence. Seeds ar
 pseudo-samples in the same statistics (they fade as their bucket is observed). Buckets with
 neither seed nor sample are interpolated linearly in n between known buckets (g and a), held
 flat below the smallest, and extrapolated above the largest with the last segment's slope in
-n for g (never negative) and the last a.
+n for g (never negative) and the last a. Silent rows never take more than half a forward's
+predicted time off (a fit on few mixed forwards must not price a big chunk at nothing).
 """
 
 from __future__ import annotations
@@ -61,10 +64,11 @@ from typing import Any, TypedDict
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
-_SILENT_RIDGE = 256.0  # pseudo-weight pulling b to its prior: one sample 16 silent rows off
-# Silent rows never take more than this share off a forward's predicted time (a fit on few
-# mixed forwards must not price a big prompt chunk at nothing).
-_MAX_SILENT_SAVING = 0.5
+_PAIR_SCALE = 65536.0  # silent tokens' query-key pairs counted in units of this
+_SILENT_RIDGE = 4.0  # pseudo-weight pulling b to its prior: one sample 2 silent rows off
+_PAIR_RIDGE = 0.01  # pseudo-weight pulling e to its prior: one sample 6,554 pairs off
+_MAX_SILENT_SAVING = 0.5  # silent rows take at most this share off a forward's time
+_ONE, _X, _Z, _U, _Y = range(5)  # the sample vector v's entries
 
 
 class CostCoefficients(TypedDict):
@@ -74,6 +78,7 @@ class CostCoefficients(TypedDict):
     slopes_s_per_token: dict[int, float]  # bucket size -> a, seconds per context token
     slope_s_per_token: float  # the buckets' slopes pooled (weighted by their context spread)
     silent_row_s: float  # b: seconds saved per token that returns no logits
+    silent_pair_s: float  # e: seconds per query-key pair of the silent tokens
 
 
 def bucket_of(tokens: int) -> int:
@@ -83,13 +88,15 @@ def bucket_of(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
-def _check(tokens: int, context: int, silent: int = 0) -> None:
+def _check(tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> None:
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
     if not 0 <= silent <= tokens:
         raise ValueError(f"silent tokens must be in [0, {tokens}], got {silent}")
+    if silent_pairs < 0:
+        raise ValueError(f"silent_pairs must be >= 0, got {silent_pairs}")
 
 
 _MEMO_SIZE = 4096
@@ -103,8 +110,8 @@ ERROR_LEVELS = (
 
 
 class ForwardCostModel:
-    """Online T(n, c, s) = g(bucket(n)) + a(bucket(n)) * c - b * s for one model runner, in
-    seconds."""
+    """Online T(n, c, s, q) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q for one model
+    runner, in seconds."""
 
     def __init__(
         self,
@@ -122,15 +129,17 @@ class ForwardCostModel:
         self.min_observations_for_outliers = min_observations_for_outliers
         # This many rejections in a row in one bucket means the cost really changed: accept.
         self.max_consecutive_outliers = max_consecutive_outliers
-        self._stats: dict[int, list[float]] = {}  # bucket -> [W, X, XX, Y, XY, Z, ZZ, XZ, ZY]
+        self._stats: dict[int, list[list[float]]] = {}  # bucket -> M, 5 x 5 moments of v
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
         self._slope_priors: dict[int, float] = {}  # per-bucket a_0 (from a stored model)
         self._slope_weight = _SLOPE_RIDGE
-        self._silent_prior = 0.0  # b_0, seconds per silent token
-        self._silent_weight = _SILENT_RIDGE
-        self._silent = 0.0  # b
+        # b and e, their priors (b_0, e_0) and ridge weights: seconds per silent token and per
+        # _PAIR_SCALE pairs of silent tokens
+        self._silent, self._pairs = 0.0, 0.0
+        self._silent_prior, self._pairs_prior = 0.0, 0.0
+        self._silent_weight, self._pairs_weight = _SILENT_RIDGE, _PAIR_RIDGE
         self.num_observations = 0
         self.num_rejected = 0
         # log(measured / predicted) of the last forwards observed once their bucket had a fit:
@@ -141,19 +150,28 @@ class ForwardCostModel:
         self._knots: list[int] = []  # known buckets, ascending
         self._values: list[float] = []  # g at the knots, seconds
         self._slopes: list[float] = []  # a at the knots, seconds per context token
-        # (tokens, context, silent) -> predicted seconds, until the next fit: selection and
-        # pruning ask for the same few shapes thousands of times per iteration.
-        self._memo: dict[tuple[int, int, int], float] = {}
+        # (tokens, context, silent, pairs) -> predicted seconds, until the next fit: selection
+        # and pruning ask for the same few shapes thousands of times per iteration.
+        self._memo: dict[tuple[int, int, int, int], float] = {}
 
     # ---- data in -------------------------------------------------------------------------
 
     def _add_at(
-        self, k: int, context: float, silent: int, seconds: float, weight: float, decay: float
+        self,
+        k: int,
+        context: float,
+        silent: int,
+        silent_pairs: int,
+        seconds: float,
+        weight: float,
+        decay: float,
     ) -> None:
-        x, z, y = context / _CONTEXT_SCALE, float(silent), seconds
-        s = self._stats.setdefault(k, [0.0] * 9)
-        for i, term in enumerate((1.0, x, x * x, y, x * y, z, z * z, x * z, z * y)):
-            s[i] = s[i] * decay + weight * term
+        v = (1.0, context / _CONTEXT_SCALE, float(silent), silent_pairs / _PAIR_SCALE, seconds)
+        m = self._stats.setdefault(k, [[0.0] * 5 for _ in range(5)])
+        for i, row in enumerate(m):
+            wv = weight * v[i]
+            for j in range(5):
+                row[j] = row[j] * decay + wv * v[j]
         self._dirty = True
 
     def seed(self, points: Iterable[tuple[int, int, float]], weight: float = 3.0) -> None:
@@ -162,17 +180,19 @@ class ForwardCostModel:
             raise ValueError(f"seed weight must be > 0, got {weight}")
         for tokens, context, seconds in points:
             _check(tokens, context)
-            self._add_at(bucket_of(tokens), context, 0, float(seconds), weight, decay=1.0)
+            self._add_at(bucket_of(tokens), context, 0, 0, float(seconds), weight, decay=1.0)
 
-    def observe(self, tokens: int, context: int, seconds: float, silent: int = 0) -> bool:
-        """Add one measured forward of `tokens` tokens, `silent` of them without logits;
-        returns False if it was rejected as an outlier."""
-        _check(tokens, context, silent)
+    def observe(
+        self, tokens: int, context: int, seconds: float, silent: int = 0, silent_pairs: int = 0
+    ) -> bool:
+        """Add one measured forward of `tokens` tokens, `silent` of them without logits and
+        attending `silent_pairs` keys between them; False if it was rejected as an outlier."""
+        _check(tokens, context, silent, silent_pairs)
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds}")
         k = bucket_of(tokens)
         if self._counts.get(k, 0) >= self.min_observations_for_outliers:
-            predicted = self.predict(tokens, context, silent)
+            predicted = self.predict(tokens, context, silent, silent_pairs)
             self._note_error(seconds, predicted)
             limit = self.outlier_factor * predicted
             streak = self._streak.get(k, 0)
@@ -193,18 +213,23 @@ class ForwardCostModel:
             # one would price every forward of 33-63 tokens at 64's cost, and so pull g(64)
             # down to the smaller forwards' times.
             f = (tokens - lo) / (k - lo)
-            # (T_lo and T_k at this forward's silent count: the sample adds to bucket k with it.)
+            # (T_lo and T_k at this forward's silent tokens: the sample adds to bucket k with
+            # them.)
             if self._dirty:
                 self._solve()
-            low = self._g(lo) + self._a(lo) * context - self._silent * silent
+            low = self._g(lo) + self._a(lo) * context + self._prompt_s(silent, silent_pairs)
             implied = (seconds - (1.0 - f) * low) / f
             # Dividing by a small f amplifies any error in T_lo: keep what the sample can
             # mean, a k-token forward costing at least this one and at most k/tokens of it.
             implied = min(max(implied, seconds), seconds * k / tokens)
-            self._add_at(k, context, silent, implied, f * f, decay=self.forget)
+            self._add_at(k, context, silent, silent_pairs, implied, f * f, decay=self.forget)
             return True
-        self._add_at(k, context, silent, float(seconds), 1.0, decay=self.forget)
+        self._add_at(k, context, silent, silent_pairs, float(seconds), 1.0, decay=self.forget)
         return True
+
+    def _prompt_s(self, silent: int, silent_pairs: int) -> float:
+        """-b s + e q: what silent tokens change of a forward's time."""
+        return self._pairs * silent_pairs / _PAIR_SCALE - self._silent * silent
 
     def _note_error(self, seconds: float, predicted: float) -> None:
         if seconds <= 0 or predicted <= 0:
@@ -232,28 +257,49 @@ class ForwardCostModel:
 
     # ---- fit -----------------------------------------------------------------------------
 
-    def _solve_silent(self) -> float:
-        """b: the per-silent-token saving, pooled over buckets (see the module docstring)."""
-        rzz = rzy = 0.0
-        for w, x, xx, y, xy, z, zz, xz, zy in self._stats.values():
-            sxx, sxz, szz = xx - x * x / w, xz - x * z / w, zz - z * z / w
-            sxy, szy = xy - x * y / w, zy - z * y / w
-            if sxx > 1e-12 * w:  # take out what the context explains of both
-                szz, szy = szz - sxz * sxz / sxx, szy - sxz * sxy / sxx
-            rzz += max(szz, 0.0)
-            rzy += szy
-        lam = self._silent_weight
-        return max((-rzy + lam * self._silent_prior) / (rzz + lam), 0.0)
+    def _solve_silent(self) -> tuple[float, float]:
+        """(b, e), pooled over buckets (see the module docstring)."""
+        r = [[0.0] * 3 for _ in range(3)]  # residual moments of (z, u, y), summed
+        for m in self._stats.values():
+            w = m[_ONE][_ONE]
+
+            def spread(i: int, j: int, m=m, w=w) -> float:
+                return m[i][j] - m[_ONE][i] * m[_ONE][j] / w
+
+            sxx = spread(_X, _X)
+            for a, i in enumerate((_Z, _U, _Y)):
+                for c, j in enumerate((_Z, _U, _Y)):
+                    sij = spread(i, j)
+                    if sxx > 1e-12 * w:  # take out what the context explains of both
+                        sij -= spread(_X, i) * spread(_X, j) / sxx
+                    r[a][c] += sij
+        lz, lu = self._silent_weight, self._pairs_weight
+        pz, pu = -self._silent_prior, self._pairs_prior
+        azz, azu, auu = max(r[0][0], 0.0) + lz, r[0][1], max(r[1][1], 0.0) + lu
+        bz, bu = r[0][2] + lz * pz, r[1][2] + lu * pu
+        det = azz * auu - azu * azu
+        if det > 0:
+            cz, cu = (bz * auu - bu * azu) / det, (bu * azz - bz * azu) / det
+            if cz <= 0 and cu >= 0:
+                return -cz, cu
+        # A coefficient of the wrong sign is held at 0 and the other fitted alone.
+        cz, cu = min(bz / azz, 0.0), max(bu / auu, 0.0)
+        alone_z = (bz * cz - 0.5 * azz * cz * cz) if cz else 0.0  # objective gains
+        alone_u = (bu * cu - 0.5 * auu * cu * cu) if cu else 0.0
+        return (-cz, 0.0) if alone_z >= alone_u else (0.0, cu)
 
     def _solve(self) -> None:
         self._knots = sorted(self._stats)
         lam = self._slope_weight
-        b = self._silent = self._solve_silent()
-        # Each bucket fits y + b z: its times as if every row had returned logits.
+        b, e = self._silent, self._pairs = self._solve_silent()
+        # Each bucket fits y + b z - e u: its times as if every row had been a decode row.
         adjusted = {}
         for k in self._knots:
-            w, x, xx, y, xy, z, _, xz, _ = self._stats[k]
-            adjusted[k] = (w, x, xx, y + b * z, xy + b * xz)
+            m = self._stats[k]
+            one, x = m[_ONE], m[_X]
+            y = one[_Y] + b * one[_Z] - e * one[_U]
+            xy = x[_Y] + b * x[_Z] - e * x[_U]
+            adjusted[k] = (one[_ONE], one[_X], x[_X], y, xy)
         # First pass: each bucket's own slope (toward the stored prior) and its context spread.
         fits = {}
         for k in self._knots:
@@ -300,16 +346,17 @@ class ForwardCostModel:
         """The context slope at bucket k, the same way (held at the last beyond the largest)."""
         return _interpolate(self._knots, self._slopes, k, extend=False)
 
-    def predict(self, tokens: int, context: int, silent: int = 0) -> float:
+    def predict(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> float:
         """Predicted forward seconds for `tokens` tokens over `context` tokens, `silent` of
-        them without logits (0 with no data)."""
+        them without logits and attending `silent_pairs` keys between them (0 with no
+        data)."""
         if self._dirty:
             self._solve()
-        key = (tokens, context, silent)
+        key = (tokens, context, silent, silent_pairs)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        _check(tokens, context, silent)
+        _check(tokens, context, silent, silent_pairs)
         k = bucket_of(tokens)
         value = self._g(k) + self._a(k) * context
         if k != tokens:
@@ -318,22 +365,24 @@ class ForwardCostModel:
             lo = k // 2
             low = self._g(lo) + self._a(lo) * context
             value = low + (value - low) * (tokens - lo) / (k - lo)
-        value = max(value, 0.0)
+        value = max(value, 0.0) + self._pairs * silent_pairs / _PAIR_SCALE
         value -= min(self._silent * silent, _MAX_SILENT_SAVING * value)
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
         self._memo[key] = value
         return value
 
-    def best_padded(self, tokens: int, context: int, max_tokens: int, silent: int = 0) -> int:
+    def best_padded(
+        self, tokens: int, context: int, max_tokens: int, silent: int = 0, silent_pairs: int = 0
+    ) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted
         time, smallest on ties; `tokens` itself when max_tokens <= tokens. Padding rows are
-        silent (they return no logits)."""
-        best, best_s = tokens, self.predict(tokens, context, silent)
+        silent (they return no logits; their few pairs are not counted)."""
+        best, best_s = tokens, self.predict(tokens, context, silent, silent_pairs)
         m = tokens + 1
         while m <= max_tokens:
             if bucket_of(m) == m:
-                s = self.predict(m, context, silent + m - tokens)
+                s = self.predict(m, context, silent + m - tokens, silent_pairs)
                 if s < best_s:
                     best, best_s = m, s
                 m += 1
@@ -352,6 +401,7 @@ class ForwardCostModel:
             "slopes_s_per_token": dict(zip(self._knots, self._slopes)),
             "slope_s_per_token": self._slope,
             "silent_row_s": self._silent,
+            "silent_pair_s": self._pairs / _PAIR_SCALE,
         }
 
     @classmethod
@@ -361,13 +411,17 @@ class ForwardCostModel:
         slope_s_per_token: float | Mapping[int, float],
         weight: float = 3.0,
         silent_row_s: float = 0.0,
+        silent_pair_s: float = 0.0,
         **kwargs: Any,
     ) -> ForwardCostModel:
         """A model seeded with a profile: each g value and its bucket's slope (one slope for
-        every bucket, or one per bucket) count as `weight` samples; `silent_row_s` is b's
-        prior (it holds until forwards with silent tokens are observed)."""
-        if silent_row_s < 0:
-            raise ValueError(f"silent_row_s must be >= 0, got {silent_row_s}")
+        every bucket, or one per bucket) count as `weight` samples; `silent_row_s` and
+        `silent_pair_s` are b's and e's priors (they hold until forwards with silent tokens
+        are observed)."""
+        if silent_row_s < 0 or silent_pair_s < 0:
+            raise ValueError(
+                f"silent_row_s and silent_pair_s must be >= 0, got {silent_row_s}, {silent_pair_s}"
+            )
         slopes = (
             dict(slope_s_per_token)
             if isinstance(slope_s_per_token, Mapping)
@@ -382,7 +436,9 @@ class ForwardCostModel:
             model._slope_prior = float(slope_s_per_token)
         model._slope_weight = weight
         model._silent_prior = float(silent_row_s)
+        model._pairs_prior = float(silent_pair_s) * _PAIR_SCALE
         model._silent_weight = _SILENT_RIDGE * weight
+        model._pairs_weight = _PAIR_RIDGE * weight
         return model
 
     def to_json(self) -> str:
@@ -393,6 +449,7 @@ class ForwardCostModel:
             "slopes_s_per_token": {str(k): v for k, v in coef["slopes_s_per_token"].items()},
             "slope_s_per_token": coef["slope_s_per_token"],
             "silent_row_s": coef["silent_row_s"],
+            "silent_pair_s": coef["silent_pair_s"],
         }
         n, mean, sigma = self.prediction_error()
         if n:
@@ -408,14 +465,14 @@ class ForwardCostModel:
     def from_json(cls, text: str, weight: float = 3.0, **kwargs: Any) -> ForwardCostModel:
         """Inverse of to_json: a model seeded with the stored coefficients (a model stored
         before per-bucket slopes gives its one slope to every bucket; one stored before b
-        has b = 0)."""
+        has b = e = 0)."""
         data = json.loads(text)
         g_s = {int(k): float(v) for k, v in data["g_s"].items()}
-        silent = float(data.get("silent_row_s", 0.0))
+        silent = float(data.get("silent_row_s", 0.0)), float(data.get("silent_pair_s", 0.0))
         slopes: float | dict[int, float] = float(data["slope_s_per_token"])
         if "slopes_s_per_token" in data:
             slopes = {int(k): float(v) for k, v in data["slopes_s_per_token"].items()}
-        return cls.from_coefficients(g_s, slopes, weight, silent, **kwargs)
+        return cls.from_coefficients(g_s, slopes, weight, *silent, **kwargs)
 
 
 def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) -> float:

@@ -51,6 +51,17 @@ class ForwardBatch:
     def metadata(self) -> AttentionMetadata:
         return AttentionMetadata(self.query_lens, self.kv_lens, self.block_tables, self.masks)
 
+    def silent_tokens(self) -> tuple[int, int]:
+        """(tokens whose logits are not wanted, the keys they attend in all): what a forward's
+        prompt-chunk tokens add to its cost apart from decode tokens (exec/cost_model.py).
+        A token at position p of a chunk attends p + 1 keys."""
+        wanted = self.logits_indices
+        if wanted is None:
+            return 0, 0
+        out = set(wanted)
+        silent = [i for i in range(len(self.token_ids)) if i not in out]
+        return len(silent), sum(self.positions[i] + 1 for i in silent)
+
 
 @dataclass
 class SequenceBatchBuilder:

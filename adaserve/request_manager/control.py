@@ -158,22 +158,25 @@ class SpeculationController:
         """Predicted target forward time of `tokens` tokens, at its cheapest padded size."""
         padded = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
-        return max(self.verify_cost.predict(padded, context), MIN_FORWARD_S)
+        padded_s = self.verify_cost.predict(padded, context, padded - tokens)
+        return max(padded_s, MIN_FORWARD_S)
 
-    def pad_to(self, tokens: int, context: int, silent: int = 0) -> int:
+    def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
 
         Only for a clear saving (PAD_MIN_SAVING), and every PAD_EXPLORE-th padded forward runs
         unpadded instead, so the cost of the exact size is measured again and a seed that was
-        too high cannot keep us padding forever.
+        too high cannot keep us padding forever. `silent` tokens (prompt chunks riding along)
+        return no logits and attend `silent_pairs` keys, as the padding rows return none.
         """
         cost = self.verify_cost
-        best = cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens), silent)
+        limit = max(tokens, self.max_pad_tokens)
+        best = cost.best_padded(tokens, context, limit, silent, silent_pairs)
         if best == tokens:
             return tokens
         self.num_padded += 1
-        padded_s = cost.predict(best, context, silent + best - tokens)
-        saving = 1.0 - padded_s / cost.predict(tokens, context, silent)
+        padded_s = cost.predict(best, context, silent + best - tokens, silent_pairs)
+        saving = 1.0 - padded_s / cost.predict(tokens, context, silent, silent_pairs)
         if saving < PAD_MIN_SAVING or self.num_padded % PAD_EXPLORE == 0:
             return tokens
         return best

@@ -14,8 +14,9 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
               can still meet (pace_r * e_r + min(max(bank_r, 0), pace_r) >= T(n_tree, ctx);
               a TPOT already lost does not hold prompts back)      (none: no TPOT limit)
-    chunk   = largest c <= cap with T(n_tree + c, ctx + c, c) <= T_max
-              (T: the cost model; the c prompt tokens are silent, they return no logits)
+    chunk   = largest c <= cap with T(n_tree + c, ctx + p, c, c p + c (c + 1) / 2) <= T_max
+              (T(n, c, s, q): the cost model; the c prompt tokens, p tokens into their
+              prompt, are silent: no logits, and they attend c p + c (c + 1) / 2 keys)
     cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
               much), max_num_batched_tokens when nothing does
     chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
@@ -27,7 +28,7 @@ caught up: a deficit is repaid, not carried to the end of the stream.
 
 TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
 one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
-ceil(R / c) * T(n_tree + c, ctx + c, c) <= deadline - now, raises the chunk to c_ttft
+ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to c_ttft
 (capped); a deadline no chunk can meet any more does not (a first token already late does
 not outrank TPOTs).
 """
@@ -40,9 +41,14 @@ from collections.abc import Callable, Sequence
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.request import Request
 
-# Predicted seconds of a forward of (tokens, context tokens, silent tokens): silent ones
-# return no logits, as prompt-chunk tokens (the last chunk's final one aside) do not.
-CostFn = Callable[[int, int, int], float]
+# Predicted seconds of a forward of (tokens, context tokens, silent tokens, keys the silent
+# ones attend): silent tokens return no logits, as prompt-chunk tokens do not.
+CostFn = Callable[[int, int, int, int], float]
+
+
+def chunk_cost(cost: CostFn, tree_tokens: int, context: int, cached: int, c: int) -> float:
+    """A forward of the decode part and a c-token chunk of a prompt `cached` tokens in."""
+    return cost(tree_tokens + c, context + cached, c, c * cached + c * (c + 1) // 2)
 
 
 def prefill_target(req: Request) -> int:
@@ -78,15 +84,16 @@ def tpot_time_limit(
     return limit
 
 
-def largest_chunk(cost: CostFn, tree_tokens: int, context: int, limit_s: float, cap: int) -> int:
-    """Largest c in [0, cap] with cost(tree_tokens + c, context + c, c) <= limit_s (0 if
-    none)."""
-    if cap <= 0 or cost(tree_tokens + 1, context + 1, 1) > limit_s:
+def largest_chunk(
+    cost: CostFn, tree_tokens: int, context: int, limit_s: float, cap: int, cached: int = 0
+) -> int:
+    """Largest c in [0, cap] with chunk_cost(..., c) <= limit_s (0 if none)."""
+    if cap <= 0 or chunk_cost(cost, tree_tokens, context, cached, 1) > limit_s:
         return 0
     lo, hi = 1, cap  # cost(lo) fits; find the last c that fits (cost grows with c)
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if cost(tree_tokens + mid, context + mid, mid) <= limit_s:
+        if chunk_cost(cost, tree_tokens, context, cached, mid) <= limit_s:
             lo = mid
         else:
             hi = mid - 1
@@ -94,12 +101,20 @@ def largest_chunk(cost: CostFn, tree_tokens: int, context: int, limit_s: float, 
 
 
 def ttft_chunk(
-    cost: CostFn, tree_tokens: int, context: int, remaining: int, time_left_s: float, cap: int
+    cost: CostFn,
+    tree_tokens: int,
+    context: int,
+    remaining: int,
+    time_left_s: float,
+    cap: int,
+    cached: int = 0,
 ) -> int | None:
-    """Smallest chunk that finishes `remaining` prompt tokens within `time_left_s`, or None."""
+    """Smallest chunk that finishes `remaining` prompt tokens within `time_left_s`, or None
+    (each chunk priced as the next one, `cached` tokens into its prompt)."""
 
     def in_time(c: int) -> bool:
-        return math.ceil(remaining / c) * cost(tree_tokens + c, context + c, c) <= time_left_s
+        each = chunk_cost(cost, tree_tokens, context, cached, c)
+        return math.ceil(remaining / c) * each <= time_left_s
 
     hi = min(cap, remaining)  # a chunk larger than what is left buys nothing
     if hi <= 0 or time_left_s <= 0 or not in_time(hi):
@@ -133,16 +148,17 @@ def chunk_tokens(
     if pending <= 0:
         return 0
     cap = max_prefill_chunk if running else max_batched_tokens
-    floor = cost(max(tree_tokens, 1), context, 0) if running else 0.0
+    floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
     limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay)
-    chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap)
+    cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
+    chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap, cached)
     ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
         ttft_ms = r.params.slo_ttft_ms
         if ttft_ms is not None:
             left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
-            needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap)
+            needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap, cached)
             if needed is not None:
                 chunk = max(chunk, needed)
             break

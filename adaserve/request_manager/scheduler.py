@@ -203,11 +203,13 @@ class Scheduler:
                 iteration = max(iteration, self.decode_period_s * after / now)
         return iteration / self.tokens_per_request
 
-    def iteration_s(self, tokens: int, context: int, silent: int = 0) -> float:
+    def iteration_s(
+        self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
         """Predicted wall time of an iteration whose forward runs `tokens` tokens, `silent` of
-        them without logits (prompt-chunk tokens)."""
+        them without logits (prompt-chunk tokens) attending `silent_pairs` keys in all."""
         assert self.cost is not None
-        return self.cost.predict(tokens, context, silent) + self.host_s
+        return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
 
     def slo_refusal(self, slo_tpot_ms: float | None) -> str | None:
         """Why a request with this TPOT SLO should be refused now, or None to admit it.
@@ -460,9 +462,8 @@ class Scheduler:
             stats.num_tokens = stats.prefill_tokens
         ctl = self.controller
         pad = ctl is not None and self.engine.target.supports_padding
-        wanted = builder.batch.logits_indices
-        silent = 0 if wanted is None else total - len(wanted)  # chunk tokens, mostly
-        pad_to = ctl.pad_to(total, context, silent) if pad else total
+        silent, silent_pairs = builder.batch.silent_tokens()  # prompt-chunk tokens, mostly
+        pad_to = ctl.pad_to(total, context, silent, silent_pairs) if pad else total
         t_forward = self.clock()
         logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
         now = self.clock()
@@ -472,7 +473,11 @@ class Scheduler:
             chunk_context = sum(r.num_cached for r, _ in chunks)
             # Padding rows return no logits either.
             self.cost.observe(
-                pad_to, context + chunk_context, now - t_forward, silent + pad_to - total
+                pad_to,
+                context + chunk_context,
+                now - t_forward,
+                silent + pad_to - total,
+                silent_pairs,
             )
         self._draft_prefill(chunks)
         self._chunk_features(chunks, flat)

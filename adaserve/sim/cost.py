@@ -137,9 +137,12 @@ class CostModel(ABC):
     backend = "torch"
 
     @abstractmethod
-    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
-        """One forward of `tokens` new tokens reading `context` cached entries, `silent` of
-        the tokens returning no logits."""
+    def seconds(
+        self, tokens: int, context: int, pairs: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
+        """One forward of `tokens` new tokens reading `context` cached entries (`pairs`
+        query-key pairs in all), `silent` of the tokens returning no logits and attending
+        `silent_pairs` keys."""
 
     def scheduler_model(self, forget: float) -> ForwardCostModel | None:
         """The cost model the simulated server's scheduler starts with, when a real server
@@ -176,8 +179,11 @@ class RooflineCost(CostModel):
             )
         self.kv_tokens = int(free // model.kv_bytes_per_token)
 
-    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
-        # Silent rows skip the LM head, 1-2% of these models' weights per row: not modelled.
+    def seconds(
+        self, tokens: int, context: int, pairs: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
+        # `pairs` has every token's attention; silent rows skip the LM head, 1-2% of these
+        # models' weights per row: not modelled.
         m, g = self.model, self.gpu
         byts = (m.parameters * BYTES_PER_PARAM + context * m.kv_bytes_per_token) / self.tp
         flops = (2 * m.parameters * tokens + 4 * m.layers * m.hidden * pairs) / self.tp
@@ -195,9 +201,11 @@ class ProfileCost(CostModel):
     def __init__(self, model: ForwardCostModel, name: str, backend: str = "torch") -> None:
         self.model, self.name, self.backend = model, name, backend
 
-    def seconds(self, tokens: int, context: int, pairs: int, silent: int = 0) -> float:
+    def seconds(
+        self, tokens: int, context: int, pairs: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
         tokens = max(1, tokens)
-        return self.model.predict(tokens, context, min(silent, tokens))
+        return self.model.predict(tokens, context, min(silent, tokens), silent_pairs)
 
     def scheduler_model(self, forget: float) -> ForwardCostModel:
         # A server started with this profile (`serve --profile`, or its cached start-up

@@ -193,29 +193,45 @@ def test_a_mispriced_lower_bucket_does_not_blow_up_the_upper_one():
     assert 0.6 <= model.predict(512, 0) <= 0.6 * 512 / 300 + 1e-9
 
 
-def test_tokens_without_logits_are_priced_apart_from_decode_tokens():
-    """A forward carrying a prompt chunk returns logits for its decode rows only; the LM head
-    rows it skips are a saving per silent token (8% of a 20-token forward of the default
-    model on ggml). Bucket 20 sees both kinds of forward; each must be priced as it is."""
-    row_s, model, rng = 0.0006, ForwardCostModel(), random.Random(11)
-    for _ in range(400):
-        tokens, context = rng.randint(4, 24), rng.randint(500, 6000)
-        silent = rng.choice((0, 0, tokens - 4, tokens - 8 if tokens > 8 else 0))
-        true = g_cpu(tokens) + 0.004 * tokens + SLOPE * context - row_s * silent
-        model.observe(tokens, context, true * rng.uniform(0.98, 1.02), silent)
-    b = model.coefficients()["silent_row_s"]
-    assert b == pytest.approx(row_s, rel=0.15), f"b {b * 1e3:.2f} ms, true {row_s * 1e3:.2f}"
-    for silent in (0, 16):
-        want = g_cpu(20) + 0.004 * 20 + SLOPE * 3000 - row_s * silent
-        got = model.predict(20, 3000, silent)
-        assert got == pytest.approx(want, rel=0.03), f"T(20, 3000, {silent}) = {got * 1e3:.1f}"
+def test_prompt_tokens_are_priced_apart_from_decode_tokens():
+    """A forward carrying a prompt chunk returns logits for its decode rows only (the LM head
+    rows it skips save b each: 8% of a 20-token forward of the default model on ggml), and
+    each chunk token attends its whole prompt so far (e per query-key pair), where context
+    counts the prompt once. Bucket 20 sees both kinds of forward; each must be priced as it
+    is."""
+    row_s, pair_s = 0.0006, 4e-8
+    model, rng = ForwardCostModel(), random.Random(11)
+
+    def true(decode: int, chunk: int, cached: int, each: int) -> tuple[int, int, int, float]:
+        n, context = decode + chunk, decode * each + cached
+        pairs = chunk * cached + chunk * (chunk + 1) // 2
+        return n, context, pairs, g_cpu(n) + SLOPE * context - row_s * chunk + pair_s * pairs
+
+    for _ in range(1500):
+        decode, each = rng.randint(1, 8), rng.randint(100, 800)
+        chunk = rng.choice((0, rng.randint(1, 24)))
+        cached = rng.randint(0, 3000) if chunk else 0
+        n, context, pairs, t = true(decode, chunk, cached, each)
+        model.observe(n, context, t * rng.uniform(0.99, 1.01), chunk, pairs)
+    coef = model.coefficients()
+    assert coef["silent_row_s"] == pytest.approx(row_s, rel=0.15), "b, seconds per silent row"
+    assert coef["silent_pair_s"] == pytest.approx(pair_s, rel=0.15), "e, seconds per pair"
+    for decode, chunk, cached in ((4, 16, 0), (4, 16, 2500), (20, 0, 0), (2, 14, 1000)):
+        n, context, pairs, want = true(decode, chunk, cached, 400)
+        got = model.predict(n, context, chunk, pairs)
+        assert got == pytest.approx(want, rel=0.03), (
+            f"{decode} decode + {chunk} prompt tokens {cached} in: {got * 1e3:.1f} ms, "
+            f"true {want * 1e3:.1f}"
+        )
     again = ForwardCostModel.from_json(model.to_json())
-    assert again.predict(20, 3000, 16) == pytest.approx(model.predict(20, 3000, 16), rel=0.02)
-    # A model stored before b existed prices silent tokens like any other.
+    assert again.predict(20, 3000, 16, 40000) == pytest.approx(
+        model.predict(20, 3000, 16, 40000), rel=0.02
+    )
+    # A model stored before b and e existed prices silent tokens like any other.
     old = json.loads(model.to_json())
-    del old["silent_row_s"]
+    del old["silent_row_s"], old["silent_pair_s"]
     older = ForwardCostModel.from_json(json.dumps(old))
-    assert older.predict(20, 3000, 16) == older.predict(20, 3000)
+    assert older.predict(20, 3000, 16, 40000) == older.predict(20, 3000)
     with pytest.raises(ValueError, match="silent tokens"):
         model.predict(4, 0, 5)
 

@@ -70,9 +70,9 @@ def test_the_cost_model_learns_prompt_tokens_as_silent(target):
     cost, seen = e.scheduler.cost, []
     observe = cost.observe
 
-    def spy(tokens: int, context: int, seconds: float, silent: int = 0) -> bool:
-        seen.append((tokens, silent))
-        return observe(tokens, context, seconds, silent)
+    def spy(tokens: int, context: int, seconds: float, silent: int = 0, pairs: int = 0) -> bool:
+        seen.append((tokens, silent, pairs))
+        return observe(tokens, context, seconds, silent, pairs)
 
     cost.observe = spy
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -84,15 +84,19 @@ def test_the_cost_model_learns_prompt_tokens_as_silent(target):
         e.step()
         steps.append(e.last_stats)
     assert len(seen) == len(steps)
-    mixed = 0
-    for (tokens, silent), st in zip(seen, steps):
+    mixed = deep = 0
+    for (tokens, silent, pairs), st in zip(seen, steps):
         decoded = st.num_tokens if st.kind == "decode" else 0
         assert tokens == st.padded_tokens
         padding = tokens - decoded - st.prefill_tokens
         last = st.prefill_requests if st.prefill_tokens else 0  # a finished prompt's last row
         assert st.prefill_tokens - last + padding <= silent <= st.prefill_tokens + padding
         mixed += st.kind == "decode" and st.prefill_tokens > 0
+        # Each silent token attends its prompt so far: a chunk after the first does more.
+        assert pairs >= silent * (silent + 1) // 2
+        deep += silent > 0 and pairs > silent * (silent + 1) // 2
     assert mixed >= 2, "no decode iteration carried a prompt chunk: the test shows nothing"
+    assert deep >= 2, "no chunk was priced deeper into its prompt"
 
 
 def slowed(e: LLMEngine, per_token_s: float, fixed_s: float) -> LLMEngine:
@@ -155,7 +159,7 @@ CHUNK_ARGS = dict(
 )
 
 
-def linear_cost(tokens: int, context: int, silent: int) -> float:
+def linear_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
     return 0.02 + 0.001 * tokens  # seconds
 
 
@@ -169,13 +173,16 @@ def test_largest_chunk_and_ttft_chunk_solve_their_inequalities():
     assert ttft_chunk(linear_cost, 4, 0, 1000, 0.01, 2048) is None, "a lost deadline"
 
 
-def test_prompt_tokens_are_priced_as_silent_rows():
-    # Prompt-chunk tokens return no logits: a cost model that knows it affords more of them.
-    def cheaper_prompt(tokens: int, context: int, silent: int) -> float:
-        return linear_cost(tokens, context, silent) - 0.0005 * silent
+def test_prompt_tokens_are_priced_as_silent_rows_attending_their_prompt():
+    # Prompt-chunk tokens return no logits (cheaper than decode tokens), and each attends
+    # its prompt so far (dearer the deeper into a long prompt the chunk starts).
+    def prompt_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+        return linear_cost(tokens, context, 0, 0) - 0.0005 * silent + 1e-7 * silent_pairs
 
-    assert largest_chunk(cheaper_prompt, 4, 0, 0.1, 500) == 152  # 0.024 + 0.0005 c = 0.1
-    assert ttft_chunk(cheaper_prompt, 4, 0, 1000, 2.0, 2048) < ttft_chunk(
+    assert largest_chunk(prompt_cost, 4, 0, 0.1, 500) == 149  # 0.024 + 0.0005 c + 5e-8 c^2 ~
+    deep = largest_chunk(prompt_cost, 4, 0, 0.1, 500, cached=2000)
+    assert deep == 107, "0.024 + 0.0007 c + 5e-8 c^2 <= 0.1"
+    assert ttft_chunk(prompt_cost, 4, 0, 1000, 2.0, 2048) < ttft_chunk(
         linear_cost, 4, 0, 1000, 2.0, 2048
     )
 
