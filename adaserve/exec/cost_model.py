@@ -130,6 +130,9 @@ class ForwardCostModel:
         # This many rejections in a row in one bucket means the cost really changed: accept.
         self.max_consecutive_outliers = max_consecutive_outliers
         self._stats: dict[int, list[list[float]]] = {}  # bucket -> M, 5 x 5 moments of v
+        # bucket -> its share of the pooled fit of b and e (_residual_moments), until it
+        # changes: a fit runs every iteration, a sample changes one bucket.
+        self._residuals: dict[int, tuple[float, ...]] = {}
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
@@ -172,6 +175,7 @@ class ForwardCostModel:
             wv = weight * v[i]
             for j in range(5):
                 row[j] = row[j] * decay + wv * v[j]
+        self._residuals.pop(k, None)
         self._dirty = True
 
     def seed(self, points: Iterable[tuple[int, int, float]], weight: float = 3.0) -> None:
@@ -259,24 +263,17 @@ class ForwardCostModel:
 
     def _solve_silent(self) -> tuple[float, float]:
         """(b, e), pooled over buckets (see the module docstring)."""
-        r = [[0.0] * 3 for _ in range(3)]  # residual moments of (z, u, y), summed
-        for m in self._stats.values():
-            w = m[_ONE][_ONE]
-
-            def spread(i: int, j: int, m=m, w=w) -> float:
-                return m[i][j] - m[_ONE][i] * m[_ONE][j] / w
-
-            sxx = spread(_X, _X)
-            for a, i in enumerate((_Z, _U, _Y)):
-                for c, j in enumerate((_Z, _U, _Y)):
-                    sij = spread(i, j)
-                    if sxx > 1e-12 * w:  # take out what the context explains of both
-                        sij -= spread(_X, i) * spread(_X, j) / sxx
-                    r[a][c] += sij
+        rzz = rzu = ruu = rzy = ruy = 0.0  # residual moments of (z, u) and y, summed
+        for k, m in self._stats.items():
+            res = self._residuals.get(k)
+            if res is None:
+                res = self._residuals[k] = _residual_moments(m)
+            rzz, rzu, ruu = rzz + res[0], rzu + res[1], ruu + res[2]
+            rzy, ruy = rzy + res[3], ruy + res[4]
         lz, lu = self._silent_weight, self._pairs_weight
         pz, pu = -self._silent_prior, self._pairs_prior
-        azz, azu, auu = max(r[0][0], 0.0) + lz, r[0][1], max(r[1][1], 0.0) + lu
-        bz, bu = r[0][2] + lz * pz, r[1][2] + lu * pu
+        azz, azu, auu = max(rzz, 0.0) + lz, rzu, max(ruu, 0.0) + lu
+        bz, bu = rzy + lz * pz, ruy + lu * pu
         det = azz * auu - azu * azu
         if det > 0:
             cz, cu = (bz * auu - bu * azu) / det, (bu * azz - bz * azu) / det
@@ -473,6 +470,21 @@ class ForwardCostModel:
         if "slopes_s_per_token" in data:
             slopes = {int(k): float(v) for k, v in data["slopes_s_per_token"].items()}
         return cls.from_coefficients(g_s, slopes, weight, *silent, **kwargs)
+
+
+def _residual_moments(m: list[list[float]]) -> tuple[float, ...]:
+    """(zz, zu, uu, zy, uy): one bucket's spreads of z, u and y about its means, with what
+    its context x explains taken out (the bucket's term in the pooled fit of b and e)."""
+    w, first = m[_ONE][_ONE], m[_ONE]
+
+    def spread(i: int, j: int) -> float:
+        return m[i][j] - first[i] * first[j] / w
+
+    sxx = spread(_X, _X)
+    pairs = ((_Z, _Z), (_Z, _U), (_U, _U), (_Z, _Y), (_U, _Y))
+    if sxx <= 1e-12 * w:  # the context barely varied: nothing to take out
+        return tuple(spread(i, j) for i, j in pairs)
+    return tuple(spread(i, j) - spread(_X, i) * spread(_X, j) / sxx for i, j in pairs)
 
 
 def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) -> float:
