@@ -312,7 +312,7 @@ def run_serve(a: argparse.Namespace) -> int:
     cached_profile = False
     if a.policy != "incremental" and a.budget is None:
         # B and t_spec come from measured latency, not a guess (an explicit --budget wins).
-        from adaserve.exec.profile import Profile, startup_profile
+        from adaserve.request_manager.control.profile import Profile, startup_profile
 
         prof = Profile.load(a.profile) if a.profile else startup_profile(engine.engine)
         if prof is None:
@@ -355,16 +355,16 @@ def run_serve(a: argparse.Namespace) -> int:
         log.info("recorded %d verified trees to %s", acc.num_trees, acc.path)
     cost = engine.scheduler.cost
     if a.record_cost_model and cost is not None:
-        from adaserve.exec.profile import record_cost_model
+        from adaserve.request_manager.control.profile import record_cost_model
 
         path = record_cost_model(engine.engine, cost, engine.sched_cfg.budget, a.record_cost_model)
         log.info("wrote the fitted cost model to %s", path)
-    ctl = engine.scheduler.controller
-    if cached_profile and ctl is not None and ctl.verify_cost.num_observations > 0:
+    controlled = engine.sched_cfg.controlled
+    if cached_profile and controlled and cost is not None and cost.num_observations > 0:
         # What the server measured while it ran is a better start for the next one.
-        from adaserve.exec.profile import refresh_startup_profile
+        from adaserve.request_manager.control.profile import refresh_startup_profile
 
-        refresh_startup_profile(engine.engine, ctl.verify_cost)
+        refresh_startup_profile(engine.engine, cost)
     return 0
 
 
@@ -413,16 +413,16 @@ register(
     "generate", "generate for one prompt and print the text", add_generate_arguments, run_generate
 )
 from adaserve.bench import command as bench_command  # noqa: E402
+from adaserve.bench import profile as profile_command  # noqa: E402
 from adaserve.distill import cli as distill_cli  # noqa: E402
 from adaserve.distill import vocab as draft_vocab  # noqa: E402
-from adaserve.exec import profile as exec_profile  # noqa: E402
 from adaserve.sim import run as sim_run  # noqa: E402
 
 register(
     "profile",
     "measure forward latencies; write the budget B, t_spec and the baseline latency",
-    exec_profile.add_arguments,
-    exec_profile.run,
+    profile_command.add_arguments,
+    profile_command.run,
 )
 register(
     "distill",

@@ -159,6 +159,16 @@ class SchedulerConfig:
     probe_interval_max: int = 256
     # Append every verified tree to this JSONL file (the simulator's recorded acceptance).
     record_acceptance: str | None = None
+    # Admission (request_manager/admission.py). --admission slo admits a request while the
+    # predicted TPOT is within slo_headroom of the SLO: at 10x the sustainable rate on the
+    # development machine, admitted 120 ms requests ran 1-25% slower than predicted
+    # (docs/results.md, "Overload"). Weights of the newest iteration in the moving averages
+    # of the decode period and forward tokens per request, of tokens emitted per request,
+    # and of host time per iteration (the plain mean over its first 1 / host_ema samples).
+    slo_headroom: float = 0.85
+    admission_ema: float = 0.2
+    tokens_per_request_ema: float = 0.1
+    host_ema: float = 0.1
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -199,7 +209,14 @@ class SchedulerConfig:
                 f"suffix_min_match ({self.suffix_min_match}) must be <= suffix_max_ngram "
                 f"({self.suffix_max_ngram})"
             )
-        for name in ("calibration_decay", "cost_forget"):
+        for name in (
+            "calibration_decay",
+            "cost_forget",
+            "slo_headroom",
+            "admission_ema",
+            "tokens_per_request_ema",
+            "host_ema",
+        ):
             if not 0.0 < getattr(self, name) <= 1.0:
                 raise ValueError(f"{name} must be in (0, 1], got {getattr(self, name)}")
 

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from dataclasses import fields, replace
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
 from adaserve.exec.engine import ExecutionEngine
+from adaserve.request_manager.admission import Admission
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
 
@@ -93,8 +94,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """One iteration; outputs of requests that got tokens or finished."""
+        plan = self.scheduler.schedule()
+        out = self.engine.run(plan)
+        return self._outputs(self.scheduler.commit(plan, out))
+
+    @property
+    def admission(self) -> Admission:
+        """Load averages, predicted TPOT and refusal (what `--admission slo` asks)."""
+        return self.scheduler.admission
+
+    def _outputs(self, changed: list[Request]) -> list[RequestOutput]:
         outs = []
-        for r in self.scheduler.step():
+        for r in changed:
             try:
                 outs.append(self.scheduler.output.make_output(r))
             except Exception as exc:  # detokenizing this request: it alone fails

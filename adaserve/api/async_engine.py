@@ -254,10 +254,10 @@ class AsyncEngine:
 
     def _slo_refusal(self, params: SamplingParams) -> Refused | None:
         """--admission slo: refuse a request when the current load cannot meet its TPOT SLO
-        or admitting it would break an admitted request's (`Scheduler.slo_refusal`)."""
+        or admitting it would break an admitted request's (`Admission.refusal`)."""
         if self.admission != "slo":
             return None
-        why = self.engine.scheduler.slo_refusal(params.slo_tpot_ms)
+        why = self.engine.admission.refusal(params.slo_tpot_ms)
         return None if why is None else Refused(why)
 
     def _check_fits_cache(self, num_prompt_tokens: int) -> None:
@@ -393,6 +393,6 @@ class AsyncEngine:
         prefix = self.engine.engine.target_prefix
         if prefix is not None:
             self.metrics.set_prefix_cache(prefix.queried_tokens, prefix.hit_tokens)
-        ctl = sched.controller
-        if ctl is not None:
-            self.metrics.set_calibration(ctl.calibrator.depth_summary(), ctl.drafting_on)
+        calibration = sched.controller.calibration_summary()
+        if calibration is not None:
+            self.metrics.set_calibration(*calibration)

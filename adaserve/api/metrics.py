@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from adaserve.request_manager.calibration import DepthCalibration
-from adaserve.request_manager.scheduler import IterationStats
+from adaserve.request_manager.control.calibration import DepthCalibration
+from adaserve.request_manager.stats import IterationStats
 
 NO_SLO_CLASS = "none"
 # A request whose slo_tpot_ms lies above every class bound (only when no class is `inf`).

@@ -104,7 +104,7 @@ def main() -> None:
     import llama_cpp
 
     from adaserve.exec.default_model import default_gguf_file
-    from adaserve.exec.profile import time_forward
+    from adaserve.exec.timing import time_forward
 
     top = max(args.concurrency + args.spec_concurrency + args.torch_concurrency)
     engines: dict[str, tuple[LLMEngine, set[int]]] = {}

@@ -32,11 +32,17 @@ from pathlib import Path
 import torch
 
 from adaserve.config import SchedulerConfig
+from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.cuda_graph import DraftGraphRunner
-from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder, _make_backend
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
-from adaserve.exec.profile import BUDGET_CONTEXT, DEFAULT_BUDGET_FACTOR, derive_budget, time_forward
+from adaserve.exec.timing import time_forward
+from adaserve.exec.torch_runner import ModelRunner, make_attention_backend
+from adaserve.request_manager.control.profile import (
+    BUDGET_CONTEXT,
+    DEFAULT_BUDGET_FACTOR,
+    derive_budget,
+)
 
 _BASE = dict(
     architecture="LlamaForCausalLM",
@@ -120,7 +126,7 @@ def random_runner(
     )
     cache.k.normal_()  # timed kernels never read zeros (METHOD.md)
     cache.v.normal_()
-    return ModelRunner(model, cache, _make_backend(backend, cache))
+    return ModelRunner(model, cache, make_attention_backend(backend, cache))
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2 << 30, repeats: int = 10) -> float:
@@ -161,11 +167,10 @@ def draft_step_ms(
         builder = SequenceBatchBuilder()
         for i, table in enumerate(tables):
             cache.reserve(table, context + width)
-            mask = torch.zeros(width, context + width, dtype=torch.bool)
-            mask[:, :context] = True
-            mask[:, context:] = torch.ones(width, width, dtype=torch.bool).tril()
             ids = [(7 * i + j) % 97 + 1 for j in range(width)]
-            builder.add(ids, [context + 1] * width, context + width, table, mask=mask)
+            # `width` sibling nodes one level below the context: a beam step's frontier.
+            siblings = [-1] * width
+            builder.add(ids, [context + 1] * width, context + width, table, tree=siblings)
         step = graphs.forward if graphs is not None else runner.forward
         samples = []
         for i in range(repeats + 2):  # the first two capture/warm the shape and do not count

@@ -112,7 +112,7 @@ def server_command(args: argparse.Namespace, policy: str, port: int) -> list[str
         if serve_supports("--profile"):
             cmd += ["--profile", args.profile]
         elif budget is None:  # older serve: take B from the profile ourselves
-            from adaserve.exec.profile import Profile
+            from adaserve.request_manager.control.profile import Profile
 
             budget = Profile.load(args.profile).budget
     if budget is not None:

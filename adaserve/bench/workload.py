@@ -101,7 +101,7 @@ def add_workload_arguments(p: argparse.ArgumentParser, simulated: bool = False) 
 
 def baseline_from_args(args: argparse.Namespace) -> float | None:
     if args.profile is not None:
-        from adaserve.exec.profile import Profile
+        from adaserve.request_manager.control.profile import Profile
 
         return Profile.load(args.profile).baseline_latency_ms
     return args.baseline_latency_ms

@@ -25,8 +25,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:  # engine.py may import this module; keep the import one-way at run time
-    from adaserve.exec.engine import ForwardBatch, ModelRunner
+from adaserve.exec.batch import ForwardBatch
+
+if TYPE_CHECKING:  # torch_runner.py stays free of CUDA-graph code; the type alone is needed
+    from adaserve.exec.torch_runner import ModelRunner
 
 # Eager runs before capturing: JIT kernels load, cuBLAS picks its algorithms, the allocator warms.
 WARMUP_RUNS = 2
@@ -69,7 +71,7 @@ def pad_batch(
         query_lens=batch.query_lens + [width] * extra,
         kv_lens=batch.kv_lens + [width] * extra,
         block_tables=batch.block_tables + [dummy_table] * extra,
-        masks=batch.masks + [None] * extra,
+        trees=batch.trees + [None] * extra,
         logits_indices=None,
     )
 
@@ -162,7 +164,7 @@ class DraftGraphRunner:
             query_lens=[],
             kv_lens=[],
             block_tables=[],
-            masks=[],
+            trees=[],
             logits_indices=None,
         )
         meta = pad_batch(empty, bucket, width, self._dummy_table).metadata()

@@ -27,13 +27,15 @@ import ctypes
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from adaserve.exec.engine import ForwardBatch
+from adaserve.exec.batch import ForwardBatch
 from adaserve.exec.kv_cache import BlockAllocator, NoFreeBlocksError
+from adaserve.exec.loader import load_args
+from adaserve.exec.model.llama import LlamaArgs
+from adaserve.exec.timing import forward_cost_points
 
 # llama.cpp's flash attention on the CPU skips masked cells and tiles: with many requests in
 # one shared cache every query row would otherwise pay for every request's cells.
@@ -387,32 +389,15 @@ class GgmlKVCache:
                 self._free_ids.append(s)
 
 
-def _is_draft_step(mask: torch.Tensor, kv_len: int, q: int) -> bool:
-    """A draft model's step (nodes over scratch KV, or several roots), not a verification tree
-    (one root, everything before it visible) or a prefill chunk."""
-    if not bool(mask[:, : kv_len - q].all()):
-        return True
-    tree = mask[:, kv_len - q :]
-    return any(not bool(tree[i, :i].any()) for i in range(1, q))
-
-
-def parents_from_mask(mask: torch.Tensor, query_len: int) -> list[int] | None:
-    """The tree a verification mask encodes (None: a plain causal chunk).
-
-    Only masks the scheduler builds are accepted: every context column visible, the tree part
-    an ancestor-or-self matrix in topological order.
-    """
-    tree = mask[:, -query_len:]
-    context = mask[:, :-query_len]
-    if not bool(context.all()):
-        raise NotImplementedError("the ggml backend takes tree masks over the full context only")
-    parents = []
-    for i in range(query_len):
-        anc = torch.nonzero(tree[i, :i]).flatten().tolist()
-        parents.append(anc[-1] if anc else -1)
-    if all(p == i - 1 for i, p in enumerate(parents)):
-        return None
-    return parents
+def tree_kind(tree: list[int] | None, query_len: int) -> str:
+    """How a sequence's tree runs here: "causal" (a chunk, a decode token or a chain),
+    "verify" (one request's verification tree: one root, every slot fed now) or "draft"
+    (a draft step: nodes over scratch KV, or several roots)."""
+    if tree is None or all(p == j - 1 for j, p in enumerate(tree)):
+        return "causal"
+    if len(tree) == query_len and tree[0] == -1 and all(p >= 0 for p in tree[1:]):
+        return "verify"
+    return "draft"
 
 
 class GgmlRunner:
@@ -428,8 +413,6 @@ class GgmlRunner:
     ):
         """`checkpoint`: the dir converted from the GGUF file (config, tokenizer; an EAGLE head
         borrows its embedding and LM head)."""
-        from adaserve.exec.loader import load_args
-
         args = load_args(checkpoint)
         self.gguf = Path(gguf)
         self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch)
@@ -437,13 +420,20 @@ class GgmlRunner:
             raise ValueError(
                 f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
             )
-        # (head_token_ids: the torch draft's reduced-vocabulary head; llama.cpp's is full.)
-        self.model = SimpleNamespace(args=args, path=Path(checkpoint), head_token_ids=None)
+        self._args = args
+        self.checkpoint: Path | None = Path(checkpoint)
         self.cache = GgmlKVCache(self.llama, block_size)
         self.device = torch.device("cpu")
-        self.backend = None
         self.capture_hidden = False
         self.last_hidden: torch.Tensor | None = None
+
+    @property
+    def args(self) -> LlamaArgs:
+        return self._args
+
+    @property
+    def head_token_ids(self) -> torch.Tensor | None:
+        return None  # llama.cpp's LM head is the full vocabulary
 
     def forward(self, batch: ForwardBatch, pad_to: int | None = None) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] (float32), as the torch runner returns them.
@@ -456,25 +446,34 @@ class GgmlRunner:
         seq = np.empty(n, np.int32)
         extra: dict[int, list[int]] = {}
         start = 0
-        for q, kv_len, table, mask in zip(
-            batch.query_lens, batch.kv_lens, batch.block_tables, batch.masks
+        for q, kv_len, table, tree in zip(
+            batch.query_lens, batch.kv_lens, batch.block_tables, batch.trees
         ):
             s = self.cache.seq_of(table)
             first = int(positions[start])
-            if mask is not None and _is_draft_step(mask, kv_len, q):
+            kind = tree_kind(tree, q)
+            if kind == "draft":
                 # A draft step: each node sees the committed tokens and its scratch ancestors.
+                assert tree is not None
+                context = kv_len - len(tree)
                 for j in range(q):
+                    slot = len(tree) - q + j
+                    parent = tree[slot]
                     seq[start + j] = self._scratch_row(
-                        s, mask[j], kv_len - q + j, positions[start + j]
+                        s,
+                        context,
+                        context + slot,
+                        None if parent < 0 else context + parent,
+                        int(positions[start + j]),
                     )
                 start += q
                 continue
             if self.llama.seq_pos_max(s) >= first:
                 self.cache.truncate(table, first)  # this forward rewrites those positions
             seq[start : start + q] = s
-            parents = None if mask is None or q == 1 else parents_from_mask(mask, q)
-            if parents is not None:
-                for j, ids in enumerate(self.cache.begin_tree(s, first, parents)):
+            if kind == "verify":
+                assert tree is not None
+                for j, ids in enumerate(self.cache.begin_tree(s, first, tree)):
                     seq[start + j] = ids[0]
                     if len(ids) > 1:
                         extra[start + j] = ids
@@ -495,22 +494,19 @@ class GgmlRunner:
             return None
         return torch.from_numpy(logits)
 
-    def _scratch_row(self, seq: int, row: torch.Tensor, kv_index: int, pos: int) -> int:
+    def _scratch_row(
+        self, seq: int, context: int, kv_index: int, parent_kv: int | None, pos: int
+    ) -> int:
         """The sequence id a draft-step node is fed under (see GgmlKVCache.scratch_node)."""
-        seen = torch.nonzero(row[:kv_index]).flatten().tolist()
-        committed = self.llama.seq_pos_max(seq) + 1
-        if seen[:committed] != list(range(committed)):
-            raise NotImplementedError(
-                "the ggml backend takes draft masks over every committed token"
+        if context != self.llama.seq_pos_max(seq) + 1:
+            raise ValueError(
+                f"a draft step's context ({context} tokens) must be every committed token of "
+                f"its sequence ({self.llama.seq_pos_max(seq) + 1})"
             )
-        ancestors = seen[committed:]
-        parent = ancestors[-1] if ancestors else None  # the deepest: fed last
-        return self.cache.scratch_node(seq, kv_index, parent, int(pos))
+        return self.cache.scratch_node(seq, kv_index, parent_kv, pos)
 
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
         """This backend's own cost curve (tokens, context, seconds) to seed the cost model."""
-        from adaserve.exec.profile import forward_cost_points
-
         return forward_cost_points(self, max_tokens)
 
     def close(self) -> None:

@@ -170,7 +170,6 @@ class Request:
         self.stop_text: str | None = None
         self.sent_text_len = 0
         self.sent_token_len = 0
-        self.aborted = False
 
     @property
     def all_token_ids(self) -> list[int]:

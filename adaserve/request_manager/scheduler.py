@@ -1,7 +1,11 @@
-"""The iteration loop: admit -> plan (trees + prefill chunks) -> one forward -> commit.
+"""The scheduler: plan an iteration, hand it to the engine, commit what it returned.
+
+    plan = scheduler.schedule()     # admit, draft + select trees, size prompt chunks, reserve KV
+    out = engine.run(plan)          # one target forward over trees and chunks
+    scheduler.commit(plan, out)     # walk the trees, keep accepted KV, emit tokens, advance prompts
 
 One iteration carries, in a single target forward, the verification trees of the running
-requests and a chunk of waiting prompts (chunked prefill, sized by the running requests'
+requests and chunks of waiting prompts (chunked prefill, sized by the running requests'
 SLOs: `prefill.py`). `incremental` is the same loop with no draft: every tree is its root
 alone, so verification degenerates to sampling one token from the target.
 """
@@ -11,61 +15,24 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
-from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.exec.engine import ExecutionEngine, SequenceBatchBuilder
+from adaserve.exec.batch import SequenceBatchBuilder
+from adaserve.exec.runner import Engine, ForwardOutput
 from adaserve.request_manager.acceptance_log import AcceptanceLog
+from adaserve.request_manager.admission import Admission
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.drafters import Drafter
 from adaserve.request_manager.output import OutputProcessor
+from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.prefill import chunk_tokens, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
-from adaserve.tree import build_verify_tree, tree_attention_mask, verify
+from adaserve.request_manager.stats import IterationStats
+from adaserve.tree import build_verify_tree, verify
 
 logger = logging.getLogger("adaserve.scheduler")
-
-
-# --admission slo admits a request while the predicted TPOT is within this share of the SLO:
-# at 10x the sustainable rate on the development machine, admitted 120 ms requests ran
-# 1-25% slower than predicted (docs/results.md, "Overload").
-SLO_HEADROOM = 0.85
-
-
-@dataclass
-class IterationStats:
-    """What one iteration did; the metrics and the benchmark read these."""
-
-    kind: str  # "decode" (something decoded, maybe with prefill chunks) or "prefill"
-    num_requests: int  # decoding requests (prefill iterations: requests prefilled)
-    num_tokens: int  # tree tokens in the target forward (prefill iterations: prompt tokens)
-    prefill_tokens: int = 0  # prompt tokens computed in this forward
-    prefill_requests: int = 0  # requests that got a prefill chunk
-    padded_tokens: int = 0  # tokens the forward ran, padding included
-    speculative: bool = False  # the policy speculates (whether or not it drafted now)
-    drafted: bool = False  # the drafter ran this iteration
-    draft_nodes: int = 0  # non-root nodes the drafter proposed
-    tree_tokens: int = 0  # non-root tree nodes verified
-    accepted_tokens: int = 0  # non-root tree nodes accepted
-    emitted_tokens: int = 0  # tokens committed (accepted + bonus)
-    budget: int = 0
-    depth: int = 0
-    width: int = 0
-    draft_s: float = 0.0
-    select_s: float = 0.0
-    verify_s: float = 0.0
-    total_s: float = 0.0
-    forward_s: float = 0.0  # the target forward alone
-    # Wall time of the iteration outside model forwards: scheduling, sampling, detokenizing,
-    # and what the serving loop did since the previous iteration ended (streaming, new
-    # requests). None after an idle engine (the gap then is waiting, not work).
-    host_s: float | None = None
-
-    @property
-    def budget_utilization(self) -> float:
-        return self.num_tokens / self.budget if self.budget else 0.0
 
 
 class Scheduler:
@@ -74,7 +41,7 @@ class Scheduler:
     def __init__(
         self,
         cfg: SchedulerConfig,
-        engine: ExecutionEngine,
+        engine: Engine,
         drafter: str | Drafter = "auto",
         cost_model: ForwardCostModel | None = None,
     ) -> None:
@@ -103,23 +70,14 @@ class Scheduler:
         self.running: list[Request] = []  # decoding
         self.last_stats: IterationStats | None = None
         self.num_preemptions = 0
-        # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
-        # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
-        self.tokens_per_request = 1.0
-        # Recent decode iterations as they ran (EMA, None before the first): wall time from
-        # one start to the next (forward, prefill chunks riding along, drafting, host time),
-        # forward tokens per decoding request, and decoding requests.
-        self.decode_period_s: float | None = None
-        self._forward_tokens_per_request = 1.0
-        # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
-        # forward the cost model predicts plus this, which TPOT predictions must count.
-        self.host_s = 0.0
-        self._busy_until: float | None = None  # end of the last iteration, while work remains
-        self._host_samples = 0
+        self._failed: list[Request] = []  # failed since the iteration began
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
             cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
         self.cost = cost_model
+        self.admission = Admission(
+            cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting)
+        )
         self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel())
         self.drafter = self.planner.drafter
         self.controller = self.planner.controller
@@ -178,63 +136,6 @@ class Scheduler:
         req.draft_block_hashes.clear()
         if self.drafter is not None:
             self.drafter.on_release(req)
-
-    def predicted_tpot_s(self) -> float | None:
-        """Seconds per output token a request admitted now would see once it decodes, over
-        the tokens per request iterations have recently emitted. The iteration: the cost
-        model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
-        one token each), or, while requests decode, the recent iteration period scaled by
-        the cost model from the running batch to that one, if longer (it has what the cost
-        of one token each misses: prefill chunks riding along, tree tokens, drafting).
-        None without a cost model (nothing to predict from)."""
-        if self.cost is None:
-            return None
-        reqs = [*self.running, *self.prefilling, *self.waiting]
-        n = min(len(reqs) + 1, self.cfg.max_num_seqs)
-        context = sum(r.num_tokens for r in reqs[:n])
-        iteration = self.iteration_s(n, context)
-        if self.running and self.decode_period_s is not None:
-            per = self._forward_tokens_per_request
-            now = self.iteration_s(
-                max(1, round(per * len(self.running))), sum(r.num_tokens for r in self.running)
-            )
-            after = self.iteration_s(max(1, round(per * n)), context)
-            if now > 0:
-                iteration = max(iteration, self.decode_period_s * after / now)
-        return iteration / self.tokens_per_request
-
-    def iteration_s(
-        self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0
-    ) -> float:
-        """Predicted wall time of an iteration whose forward runs `tokens` tokens, `silent` of
-        them without logits (prompt-chunk tokens) attending `silent_pairs` keys in all."""
-        assert self.cost is not None
-        return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
-
-    def slo_refusal(self, slo_tpot_ms: float | None) -> str | None:
-        """Why a request with this TPOT SLO should be refused now, or None to admit it.
-
-        Refused when the predicted TPOT with it admitted exceeds SLO_HEADROOM of its own SLO,
-        or of the tightest SLO among the requests already admitted: a lenient request that
-        would push the others past theirs is refused too, so admitted requests keep their
-        SLOs."""
-        tpot = self.predicted_tpot_s()
-        if tpot is None:
-            return None
-        ms = 1000.0 * tpot
-        if slo_tpot_ms is not None and ms > SLO_HEADROOM * slo_tpot_ms:
-            return (
-                f"slo_tpot_ms {slo_tpot_ms:g} cannot be met at the current load (about "
-                f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
-            )
-        admitted = [r.params.slo_tpot_ms for r in (*self.running, *self.prefilling, *self.waiting)]
-        held = min((s for s in admitted if s is not None), default=None)
-        if held is not None and ms > SLO_HEADROOM * held:
-            return (
-                f"admitting this request would slow the requests being served past their "
-                f"slo_tpot_ms {held:g} (about {ms:.0f} ms per token predicted); retry later"
-            )
-        return None
 
     def fail(self, req: Request, exc: BaseException) -> None:
         """Work of `req` alone raised: finish it with reason "error" (KV freed, an error id
@@ -309,13 +210,17 @@ class Scheduler:
     # ------------------------------------------------------------------ one iteration
     def step(self) -> list[Request]:
         """Run one iteration; returns the requests that got tokens or finished in it."""
-        self._failed: list[Request] = []
+        plan = self.schedule()
+        return self.commit(plan, self.engine.run(plan))
+
+    def schedule(self) -> IterationPlan:
+        """Plan one iteration: admit, draft and select trees, size prompt chunks, reserve KV."""
+        self._failed = []
         self._admit()
-        if not (self.running or self.prefilling):
-            self._busy_until = None
-            return []
         start = self.clock()
-        gap = None if self._busy_until is None else start - self._busy_until
+        if not (self.running or self.prefilling):
+            return IterationPlan.empty(start, self.cfg.budget, idle=True)
+        gap = self.admission.gap_s(start)
         if not self.cfg.chunked_prefill and self.prefilling:
             decoding: list[Request] = []  # a whole-prompt prefill iteration, as before chunking
             shape, cut_short = None, []
@@ -324,53 +229,11 @@ class Scheduler:
             cut_short = self._make_room(shape)
             decoding = list(self.running)
         context = sum(r.num_cached for r in decoding)
-        plan = self._plan_trees(decoding, shape, context)
-        chunks = self._plan_chunks(decoding, plan, context)
+        trees = self._plan_trees(decoding, shape, context)
+        chunks = self._plan_chunks(decoding, trees, context)
         if not decoding and not chunks:  # _make_room finished the last request
-            return cut_short
-        stats = IterationStats(
-            "decode" if decoding else "prefill",
-            len(decoding) if decoding else len(chunks),
-            0,
-            budget=self.cfg.budget,
-            speculative=self.cfg.speculative and bool(decoding),
-            drafted=plan.shape is not None,
-            draft_nodes=sum(len(t) - 1 for t in plan.trees),
-            draft_s=plan.draft_s,
-            select_s=plan.select_s,
-        )
-        if plan.shape is not None:
-            stats.depth, stats.width = plan.shape.depth, plan.shape.width
-        t_verify = self.clock()
-        changed = self._forward_and_commit(decoding, plan, chunks, stats, context)
-        end = self.clock()
-        stats.verify_s = end - t_verify
-        stats.total_s = end - start
-        if gap is not None:
-            stats.host_s = max(0.0, gap + stats.total_s - stats.forward_s - stats.draft_s)
-            rate = max(0.1, 1.0 / (self._host_samples + 1))  # the mean until 10 samples
-            self.host_s += rate * (stats.host_s - self.host_s)
-            self._host_samples += 1
-        self.planner.after_iteration(
-            plan, len(decoding), stats.accepted_tokens, stats.num_tokens, context, stats.total_s
-        )
-        self.last_stats = stats
-        if decoding:
-            per = (stats.emitted_tokens - stats.prefill_requests) / len(decoding)
-            self.tokens_per_request += 0.1 * (max(per, 1.0) - self.tokens_per_request)
-            if stats.host_s is not None:  # busy since the last iteration: a true period
-                period = stats.total_s + gap
-                last = self.decode_period_s
-                self.decode_period_s = period if last is None else last + 0.2 * (period - last)
-                tokens = stats.num_tokens / len(decoding)
-                self._forward_tokens_per_request += 0.2 * (
-                    tokens - self._forward_tokens_per_request
-                )
-        self._retire_finished()
-        busy = self.running or self.prefilling or self.waiting
-        self._busy_until = self.clock() if busy else None
-        out = cut_short + changed
-        return out + [r for r in self._failed if r not in out]
+            return IterationPlan.empty(start, self.cfg.budget, tuple(cut_short))
+        return self._build(decoding, trees, chunks, context, start, gap, cut_short)
 
     def _plan_trees(
         self, decoding: list[Request], shape: SpecShape | None, context: int
@@ -390,7 +253,7 @@ class Scheduler:
         assert self.cost is not None
         tree_tokens = sum(len(s) for s in plan.selections)
         budget = chunk_tokens(
-            self.iteration_s,
+            self.admission.iteration_s,
             decoding,
             plan.expected_tokens,
             self.prefilling,
@@ -413,132 +276,205 @@ class Scheduler:
                 budget -= n
         return chunks
 
-    def _forward_and_commit(
+    def _build(
         self,
         decoding: list[Request],
-        plan: TreePlan,
+        spec: TreePlan,
         chunks: list[tuple[Request, int]],
-        stats: IterationStats,
         context: int,
-    ) -> list[Request]:
-        """One target forward over the trees and the chunks (and the draft over the chunks)."""
+        start: float,
+        gap: float | None,
+        cut_short: list[Request],
+    ) -> IterationPlan:
+        """The batch of the trees and the chunks, with their KV slots reserved."""
+        built = self.clock()
         cache = self.engine.target.cache
         builder = SequenceBatchBuilder()
-        vtrees, rows, flat = [], [], []  # flat: each sequence's first token in the batch
-        for r, tree, sel in zip(decoding, plan.trees, plan.selections):
+        trees = []
+        for r, tree, sel in zip(decoding, spec.trees, spec.selections):
             vt = build_verify_tree(tree, sel)
             n = len(vt.tokens)
-            flat.append(len(builder.batch.token_ids))
+            first = len(builder.batch.token_ids)
             cache.reserve(r.block_table, r.num_cached + n)
-            mask = None if n == 1 else tree_attention_mask(vt.parents, r.num_cached)
-            rows.append(
-                builder.add(
-                    vt.tokens,
-                    [r.num_cached + d for d in vt.depths],
-                    r.num_cached + n,
-                    r.block_table,
-                    mask=mask,
-                )
+            rows = builder.add(
+                vt.tokens,
+                [r.num_cached + d for d in vt.depths],
+                r.num_cached + n,
+                r.block_table,
+                tree=None if n == 1 else vt.parents,
             )
-            vtrees.append(vt)
-        stats.num_tokens = len(builder.batch.token_ids)
-        chunk_rows = []
+            trees.append(TreeItem(r, tree, vt, r.num_cached, first, tuple(rows)))
+        num_tree_tokens = len(builder.batch.token_ids)
+        draft_builder = SequenceBatchBuilder()
+        items = []
         for r, n in chunks:
-            start, end = r.num_cached, r.num_cached + n
+            begin, end = r.num_cached, r.num_cached + n
             last = end == prefill_target(r) and not r.output_token_ids  # first token sampled
-            flat.append(len(builder.batch.token_ids))
+            first = len(builder.batch.token_ids)
             idx = builder.add(
-                r.all_token_ids[start:end],
-                list(range(start, end)),
+                r.all_token_ids[begin:end],
+                list(range(begin, end)),
                 end,
                 r.block_table,
                 logits="last" if last else "none",
             )
-            chunk_rows.append(idx[0] if idx else None)
-        total = len(builder.batch.token_ids)
-        stats.prefill_tokens = total - stats.num_tokens
-        stats.prefill_requests = len(chunks)
-        if not decoding:
-            stats.num_tokens = stats.prefill_tokens
-        ctl = self.controller
-        pad = ctl is not None and self.engine.target.supports_padding
-        silent, silent_pairs = builder.batch.silent_tokens()  # prompt-chunk tokens, mostly
-        pad_to = ctl.pad_to(total, context, silent, silent_pairs) if pad else total
-        t_forward = self.clock()
-        logits = self.engine.target.forward(builder.batch, pad_to=pad_to)
-        now = self.clock()
-        stats.padded_tokens = pad_to
-        stats.forward_s = now - t_forward
-        if self.cost is not None:
-            chunk_context = sum(r.num_cached for r, _ in chunks)
-            # Padding rows return no logits either.
-            self.cost.observe(
-                pad_to,
-                context + chunk_context,
-                now - t_forward,
-                silent + pad_to - total,
-                silent_pairs,
+            items.append(
+                ChunkItem(r, begin, end, first, idx[0] if idx else None, self._draft_end(r, end))
             )
-        self._draft_prefill(chunks)
-        self._chunk_features(chunks, flat)
-        self._commit_trees(decoding, plan, vtrees, rows, logits, stats, now, flat)
-        return self._commit_chunks(chunks, chunk_rows, logits, stats, now) + decoding
-
-    def _draft_prefill(self, chunks: list[tuple[Request, int]]) -> None:
-        """The draft model computes the same prompt tokens into its own KV."""
-        d = self.engine.draft
-        if d is None or not chunks or self.engine.draft_is_head:
-            return
-        ctl = self.controller
-        if ctl is not None and not ctl.drafting_on:
-            # Drafting is off (it does not pay): do not pay for draft prefill either. When it
-            # comes back on, the drafter's first step feeds every token the draft has not seen.
-            return
-        builder = SequenceBatchBuilder()
-        for r, n in chunks:
-            start, end = r.draft_num_cached, r.num_cached + n
-            if end > start:
-                builder.add(
-                    r.all_token_ids[start:end],
-                    list(range(start, end)),
+            if items[-1].draft_end is not None:
+                # The draft model computes the same prompt tokens into its own KV.
+                d0 = r.draft_num_cached
+                draft_builder.add(
+                    r.all_token_ids[d0:end],
+                    list(range(d0, end)),
                     end,
                     r.draft_block_table,
                     logits="none",
                 )
-                r.draft_num_cached = end
-        if len(builder):
-            d.forward(builder.batch)
-        if self.engine.draft_prefix is not None:
-            for r, _ in chunks:
+        batch = builder.batch
+        total = len(batch.token_ids)
+        silent, silent_pairs = batch.silent_tokens()  # prompt-chunk tokens, mostly
+        pad = self.engine.target.supports_padding
+        pad_to = self.controller.pad_to(total, context, silent, silent_pairs) if pad else total
+        chunk_context = sum(r.num_cached for r, _ in chunks)
+        predicted = None
+        if self.cost is not None:
+            predicted = self.cost.predict(
+                pad_to, context + chunk_context, silent + pad_to - total, silent_pairs
+            )
+        prefill_tokens = total - num_tree_tokens
+        stats = IterationStats(
+            "decode" if decoding else "prefill",
+            len(decoding) if decoding else len(chunks),
+            num_tree_tokens if decoding else prefill_tokens,
+            prefill_tokens=prefill_tokens,
+            prefill_requests=len(chunks),
+            padded_tokens=pad_to,
+            budget=self.cfg.budget,
+            speculative=self.cfg.speculative and bool(decoding),
+            drafted=spec.shape is not None,
+            draft_nodes=sum(len(t) - 1 for t in spec.trees),
+            draft_s=spec.draft_s,
+            select_s=spec.select_s,
+        )
+        if spec.shape is not None:
+            stats.depth, stats.width = spec.shape.depth, spec.shape.width
+        return IterationPlan(
+            trees=tuple(trees),
+            chunks=tuple(items),
+            batch=batch,
+            pad_to=pad_to,
+            draft_batch=draft_builder.batch if len(draft_builder) else None,
+            budget=self.cfg.budget,
+            context=context,
+            chunk_context=chunk_context,
+            predicted_s=predicted,
+            speculation=spec,
+            stats=stats,
+            started_s=start,
+            built_s=built,
+            gap_s=gap,
+            cut_short=tuple(cut_short),
+        )
+
+    def _draft_end(self, r: Request, end: int) -> int | None:
+        """How far a draft model's KV catches up on this chunk (None: it does not)."""
+        if self.engine.draft is None or self.engine.draft_is_head:
+            return None
+        if not self.controller.drafting_on:
+            # Drafting is off (it does not pay): do not pay for draft prefill either. When it
+            # comes back on, the drafter's first step feeds every token the draft has not seen.
+            return None
+        return end if end > r.draft_num_cached else None
+
+    # ------------------------------------------------------------------ commit
+    def commit(self, plan: IterationPlan, out: ForwardOutput) -> list[Request]:
+        """Apply what the engine returned: verify trees, keep accepted KV, emit tokens, advance
+        prompts; returns the requests that got tokens or finished in this iteration."""
+        if plan.idle:
+            self.admission.busy_until = None
+            return []
+        if plan.is_empty:
+            return list(plan.cut_short) + self._failed
+        stats = plan.stats
+        stats.forward_s = out.forward_s
+        if self.cost is not None:
+            silent, silent_pairs = plan.batch.silent_tokens()
+            total = len(plan.batch.token_ids)
+            # Padding rows return no logits either.
+            self.cost.observe(
+                plan.pad_to,
+                plan.context + plan.chunk_context,
+                out.forward_s,
+                silent + plan.pad_to - total,
+                silent_pairs,
+            )
+        self._commit_draft_prefill(plan)
+        self._chunk_features(plan, out)
+        for item in plan.trees:
+            try:
+                self._commit_tree(item, out, stats)
+            except Exception as exc:  # this request's walk or commit: it alone fails
+                self.fail(item.request, exc)
+        done = []
+        for chunk in plan.chunks:
+            try:
+                if self._commit_chunk(chunk, out, stats):
+                    done.append(chunk.request)
+            except Exception as exc:  # e.g. detokenizing its first token: it alone fails
+                self.fail(chunk.request, exc)
+        end = self.clock()
+        stats.verify_s = end - plan.built_s
+        stats.total_s = end - plan.started_s
+        decoding = plan.decoding
+        self.admission.observe(stats, plan.gap_s, len(decoding))
+        self.planner.after_iteration(
+            plan.speculation,
+            len(decoding),
+            stats.accepted_tokens,
+            stats.num_tokens,
+            plan.context,
+            stats.total_s,
+        )
+        self.last_stats = stats
+        self._retire_finished()
+        busy = self.running or self.prefilling or self.waiting
+        self.admission.busy_until = self.clock() if busy else None
+        changed = list(plan.cut_short) + done + decoding
+        return changed + [r for r in self._failed if r not in changed]
+
+    def _commit_draft_prefill(self, plan: IterationPlan) -> None:
+        """The draft model now holds the chunks' prompt tokens too."""
+        for c in plan.chunks:
+            if c.draft_end is not None:
+                c.request.draft_num_cached = c.draft_end
+        if self.engine.draft_prefix is not None and plan.draft_batch is not None:
+            for c in plan.chunks:
+                r = c.request
                 self.engine.draft_prefix.register(
                     r.draft_block_table, r.all_token_ids, r.draft_num_cached, r.draft_block_hashes
                 )
 
-    def _chunk_features(self, chunks, flat: list[int]) -> None:
+    def _chunk_features(self, plan: IterationPlan, out: ForwardOutput) -> None:
         """A feature-reading drafter (EAGLE) gets the target's hidden states of every prompt
-        token prefilled now (the roots and accepted nodes: `_commit_trees`)."""
+        token prefilled now (the roots and accepted nodes: `_commit_tree`)."""
         d = self.drafter
-        if d is None or not d.wants_features or not chunks:
+        if d is None or not d.wants_features or not plan.chunks:
             return
-        hidden = self.engine.target.last_hidden
-        assert hidden is not None
-        for (r, n), start in zip(chunks, flat[-len(chunks) :]):
-            d.observe_features(r, r.num_cached, hidden[start : start + n])
+        assert out.hidden is not None
+        for c in plan.chunks:
+            d.observe_features(
+                c.request, c.start, out.hidden[c.first_row : c.first_row + c.num_tokens]
+            )
 
-    def _commit_trees(self, decoding, plan, vtrees, rows, logits, stats, now, flat) -> None:
-        features = self.drafter is not None and self.drafter.wants_features
-        for r, tree, vt, row, start in zip(decoding, plan.trees, vtrees, rows, flat):
-            try:
-                self._commit_tree(r, tree, vt, row, start, logits, stats, now, features)
-            except Exception as exc:  # this request's walk or commit: it alone fails
-                self.fail(r, exc)
-
-    def _commit_tree(self, r, tree, vt, row, start, logits, stats, now, features) -> None:
+    def _commit_tree(self, item: TreeItem, out: ForwardOutput, stats: IterationStats) -> None:
         """Walk one request's verified tree, keep the accepted path's KV, emit its tokens."""
-        cache, ctl, prefix = self.engine.target.cache, self.controller, self.engine.target_prefix
+        r, vt, rows = item.request, item.tree, item.logit_rows
+        cache, prefix = self.engine.target.cache, self.engine.target_prefix
+        assert out.logits is not None
         p = r.params
         accepted, bonus = verify(
-            logits[row[0] : row[-1] + 1],
+            out.logits[rows[0] : rows[-1] + 1],
             vt.tokens,
             vt.parents,
             p.temperature,
@@ -548,18 +484,19 @@ class Scheduler:
         )
         if len(vt) > 1:
             taken = [vt.source_nodes[v] for v in accepted]
-            if ctl is not None:
-                ctl.observe_verification(tree, vt.source_nodes, taken)
+            self.controller.observe_verification(item.candidate, vt.source_nodes, taken)
             if self.acceptance_log is not None:
-                self.acceptance_log.record(tree, vt.source_nodes, taken)
+                self.acceptance_log.record(item.candidate, vt.source_nodes, taken)
         keep = [0] + accepted
-        if features:  # the root's and accepted nodes' hidden states, in path order
-            hidden = self.engine.target.last_hidden
-            assert hidden is not None and self.drafter is not None
-            self.drafter.observe_features(r, r.num_cached, hidden[[start + v for v in keep]])
+        if self.drafter is not None and self.drafter.wants_features:
+            # The root's and accepted nodes' hidden states, in path order.
+            assert out.hidden is not None
+            self.drafter.observe_features(
+                r, r.num_cached, out.hidden[[item.first_row + v for v in keep]]
+            )
         cache.keep_subset(r.block_table, r.num_cached, keep)
         r.num_cached += len(keep)
-        emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], now)
+        emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], out.end_s)
         if prefix is not None:
             prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
         m = r.metrics
@@ -570,20 +507,10 @@ class Scheduler:
         stats.accepted_tokens += len(accepted)
         stats.emitted_tokens += emitted
 
-    def _commit_chunks(self, chunks, chunk_rows, logits, stats, now) -> list[Request]:
-        """Advance prefills; a request whose prompt is complete samples its first token."""
-        done = []
-        for (r, n), row in zip(chunks, chunk_rows):
-            try:
-                if self._commit_chunk(r, n, row, logits, stats, now):
-                    done.append(r)
-            except Exception as exc:  # e.g. detokenizing its first token: it alone fails
-                self.fail(r, exc)
-        return done
-
-    def _commit_chunk(self, r: Request, n: int, row, logits, stats, now) -> bool:
+    def _commit_chunk(self, c: ChunkItem, out: ForwardOutput, stats: IterationStats) -> bool:
         """Advance one prefill; True when its prompt is complete (it joins the running)."""
-        r.num_cached += n
+        r = c.request
+        r.num_cached += c.num_tokens
         prefix = self.engine.target_prefix
         if prefix is not None:
             prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
@@ -591,10 +518,11 @@ class Scheduler:
             return False
         self.prefilling.remove(r)
         self.running.append(r)
-        if row is not None:  # a fresh request: its first token comes from the last chunk
+        if c.logit_row is not None:  # a fresh request: its first token comes from the last chunk
+            assert out.logits is not None
             p = r.params
             _, token = verify(
-                logits[row : row + 1],
+                out.logits[c.logit_row : c.logit_row + 1],
                 [r.last_token],
                 [-1],
                 p.temperature,
@@ -602,7 +530,7 @@ class Scheduler:
                 p.top_p,
                 r.generator,
             )
-            self.output.commit(r, [token], now)
+            self.output.commit(r, [token], out.end_s)
             stats.emitted_tokens += 1
         return True
 

@@ -13,14 +13,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from adaserve.config import SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.exec.engine import ExecutionEngine
-from adaserve.request_manager.control import SpeculationController
+from adaserve.exec.runner import Engine
+from adaserve.request_manager.control.controller import (
+    Controller,
+    NoControl,
+    SpeculationController,
+)
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.drafters import Drafter, make_drafter
 from adaserve.request_manager.drafters.combined import CombinedDrafter
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
 from adaserve.request_manager.request import Request
-from adaserve.request_manager.slo import TSpecEstimator, slo_requirements
+from adaserve.request_manager.slo import slo_requirements
 from adaserve.tree import CandidateTree, top_chain
 
 logger = logging.getLogger("adaserve.speculation")
@@ -47,19 +51,19 @@ class TreePlan:
 
 
 class TreePlanner:
-    """Drafter + selection (+ controller) of one scheduler."""
+    """Drafter + selection + controller of one scheduler."""
 
     def __init__(
         self,
         cfg: SchedulerConfig,
-        engine: ExecutionEngine,
+        engine: Engine,
         drafter: str | Drafter,
         cost: ForwardCostModel,
     ) -> None:
         self.cfg, self.engine = cfg, engine
-        self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
         self.drafter: Drafter | None = None
-        self.controller: SpeculationController | None = None
+        # Policy adaserve: SpeculationController; every other policy: the null controller.
+        self.controller: Controller = NoControl(cfg)
         if not cfg.speculative:
             return
         if isinstance(drafter, Drafter):
@@ -83,7 +87,7 @@ class TreePlanner:
         """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
         shape = spec_shape(self.cfg, len(running))
         ctl = self.controller
-        if shape is not None and ctl is not None:
+        if shape is not None:
             if len(running) >= self.cfg.budget:
                 return None  # the roots alone fill the budget: nothing could be verified
             context = sum(r.num_cached for r in running)
@@ -113,9 +117,7 @@ class TreePlanner:
             scratch = self.drafter.scratch_tokens(shape)
             for r in reqs:  # the scheduler checked these fit; the drafter frees the scratch
                 self.engine.draft.cache.reserve(r.draft_block_table, r.num_tokens + scratch)
-        keep_going = (
-            ctl.keep_going(len(reqs), context) if ctl is not None and not shape.cheap_only else None
-        )
+        keep_going = None if shape.cheap_only else ctl.keep_going(len(reqs), context)
         try:
             trees = self.drafter.propose(reqs, shape, keep_going)
         except Exception:
@@ -136,15 +138,11 @@ class TreePlanner:
         if self.cfg.policy == "sequence":
             trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
         # Controlled: the selection sees calibrated f(v) and the cost model's t_spec.
-        scored = trees if ctl is None else ctl.calibrate(trees)
-        if ctl is None:
-            t_spec = self.t_spec.value_s
-        else:
-            t_spec = ctl.t_spec_s(len(reqs), context, shape, extra_tokens)
+        scored = ctl.calibrate(trees)
+        t_spec = ctl.t_spec_s(len(reqs), context, shape, extra_tokens)
         a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
         selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
-        if ctl is not None:
-            selections, _ = ctl.prune(scored, selections, slo_step, context)
+        selections, _ = ctl.prune(scored, selections, slo_step, context)
         expected = [sum(t.path_prob(v) for v in sel) for t, sel in zip(scored, selections)]
         return TreePlan(
             trees,
@@ -185,19 +183,19 @@ class TreePlanner:
         total_s: float,
     ) -> None:
         """Feed what the iteration measured back into t_spec and speculation control."""
-        if plan.shape is None:
-            return
-        self.t_spec.update(total_s)
         ctl = self.controller
-        if ctl is None or self.drafter is None or not self.drafter.costly or plan.shape.cheap_only:
-            return  # only iterations where the costly drafter ran score it
-        steps = max(max(t.depths) for t in plan.trees)
-        ctl.record_draft_time(plan.draft_s, steps, num_requests * plan.shape.width, context)
-        # Scored by the calibrated expectation once calibration has seen the drafter (one
-        # lucky probe must not switch a bad draft back on), by what was accepted before.
-        tokens = num_requests + accepted if ctl.exploring else sum(plan.expected_tokens)
-        ctl.record_score(
-            ctl.iteration_ratio(tokens, num_requests, padded_tokens, context, plan.draft_s)
+        ctl.record_iteration_time(plan.shape, total_s)
+        if self.drafter is None or not self.drafter.costly:
+            return
+        ctl.after_iteration(
+            plan.shape,
+            plan.trees,
+            plan.expected_tokens,
+            plan.draft_s,
+            num_requests,
+            accepted,
+            padded_tokens,
+            context,
         )
 
 

@@ -21,9 +21,12 @@ import time
 
 import torch
 
-from adaserve.exec.engine import ForwardBatch
+from adaserve.exec.batch import ForwardBatch
 from adaserve.exec.kv_cache import KVCache
+from adaserve.exec.model.llama import LlamaArgs
 from adaserve.exec.prefix_cache import PrefixCache
+from adaserve.exec.runner import ForwardOutput, PlanToRun, run_plan
+from adaserve.exec.timing import NUM_SEQS
 from adaserve.sim.cost import CostModel, ForwardNoise
 
 # Token ids of the simulated target: small, so logits rows are cheap.
@@ -68,7 +71,16 @@ class _Tokenizer:
 
 
 class SimRunner:
-    """A runner whose forward costs virtual time; `truth` set: it returns target logits."""
+    """A runner whose forward costs virtual time; `target` set: it returns target logits.
+
+    Implements `exec/runner.py`'s Runner: one layer, one head of width one, `SIM_VOCAB`
+    tokens; no features (an EAGLE head is not simulated)."""
+
+    needs_context = False
+    capture_hidden = False
+    last_hidden = None
+    checkpoint = None
+    head_token_ids = None
 
     def __init__(
         self,
@@ -89,6 +101,26 @@ class SimRunner:
         self.device = self.cache.device
         self.num_forwards = 0
         self.busy_s = 0.0
+
+    @property
+    def args(self) -> LlamaArgs:
+        return LlamaArgs(
+            architecture="LlamaForCausalLM",
+            vocab_size=SIM_VOCAB,
+            hidden_size=1,
+            intermediate_size=1,
+            num_layers=1,
+            num_heads=1,
+            num_kv_heads=1,
+            head_dim=1,
+            rms_norm_eps=1e-6,
+            max_position_embeddings=1 << 20,
+            rope_theta=10000.0,
+            rope_scaling=None,
+            qkv_bias=False,
+            tie_word_embeddings=True,
+            sliding_window=None,
+        )
 
     def charge(self, tokens: int, context: int, num_seqs: int) -> float:
         """Advance the clock by one forward of this shape (draft steps); returns its seconds."""
@@ -125,8 +157,6 @@ class SimRunner:
 
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
         """The cost curve a real runner would measure at start-up (no noise: a quiet machine)."""
-        from adaserve.exec.profile import NUM_SEQS
-
         counts = sorted({n for n in SMALL_COUNTS if n <= max_tokens} | _powers(max_tokens))
         points = []
         for n in counts:
@@ -183,6 +213,10 @@ class SimEngine:
 
     def enable_draft_graphs(self, max_num_seqs: int, max_width: int) -> None:
         return None
+
+    def run(self, plan: PlanToRun) -> ForwardOutput:
+        """Run one iteration's plan on the virtual clock, as `ExecutionEngine.run` does."""
+        return run_plan(self.target, self.draft, plan, self.clock)
 
     true_next = staticmethod(true_next)
 

@@ -36,8 +36,8 @@ from adaserve.bench.workload import (
     result_line,
 )
 from adaserve.config import POLICIES, CacheConfig, SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.exec.profile import DEFAULT_BUDGET_FACTOR
+from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.control.profile import DEFAULT_BUDGET_FACTOR
 from adaserve.request_manager.request import Request, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
 from adaserve.sim.acceptance import AcceptanceModel, SyntheticDrafter, load_acceptance

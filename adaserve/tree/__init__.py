@@ -22,7 +22,6 @@ from adaserve.tree.layout import (
 from adaserve.tree.select import (
     adaserve_select,
     equal_greedy_select,
-    expected_accepts,
     global_greedy_select,
     required_accepts,
     select_all,
@@ -47,7 +46,6 @@ __all__ = [
     "chain_parents",
     "equal_greedy_select",
     "expand_step",
-    "expected_accepts",
     "global_greedy_select",
     "merge_trees",
     "required_accepts",

@@ -16,7 +16,6 @@ selection stays connected even with ties (a log-prob of exactly 0).
 from __future__ import annotations
 
 import heapq
-import math
 from collections.abc import Iterator, Sequence
 
 from adaserve.tree.candidate import CandidateTree
@@ -187,8 +186,3 @@ def equal_greedy_select(trees: Sequence[CandidateTree], budget: int) -> list[lis
 def select_all(trees: Sequence[CandidateTree]) -> list[list[int]]:
     """SpecInfer / sequence baselines: verify every node of every candidate tree."""
     return [list(range(len(tree))) for tree in trees]
-
-
-def expected_accepts(tree: CandidateTree, selection: Sequence[int]) -> float:
-    """E[acc(T)] = sum_{v in T} f(v) (root counts 1), as the draft estimates it."""
-    return math.fsum(tree.path_prob(node) for node in selection)

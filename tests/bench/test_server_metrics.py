@@ -15,7 +15,7 @@ from adaserve.bench.server_metrics import (
     parse_counters,
 )
 from adaserve.config import ServerConfig
-from adaserve.request_manager.scheduler import IterationStats
+from adaserve.request_manager.stats import IterationStats
 
 
 def test_names_match_what_the_server_renders() -> None:

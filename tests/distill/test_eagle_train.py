@@ -20,10 +20,11 @@ from adaserve.distill.eagle import (
     unrolled_outputs,
 )
 from adaserve.exec.attention.torch_ref import TorchAttentionBackend
-from adaserve.exec.engine import EagleRunner, SequenceBatchBuilder
+from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.loader import load_model
 from adaserve.exec.model.eagle import head_from_target, is_eagle_head, load_eagle_head
+from adaserve.exec.torch_runner import EagleRunner
 
 CFG = EagleConfig(max_steps=30, batch_size=8, lr=3e-3, warmup_steps=3, save_every=10, max_len=64)
 

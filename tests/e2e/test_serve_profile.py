@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from adaserve.exec.profile import LatencyPoint, Profile
+from adaserve.request_manager.control.profile import LatencyPoint, Profile
 from tests.e2e.harness import serve_subprocess
 
 

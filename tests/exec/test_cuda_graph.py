@@ -7,6 +7,7 @@ import torch
 
 from adaserve.exec import cuda_graph
 from adaserve.exec.attention.torch_ref import TorchAttentionBackend
+from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.cuda_graph import (
     DraftGraphRunner,
     choose_bucket,
@@ -14,9 +15,9 @@ from adaserve.exec.cuda_graph import (
     request_buckets,
     step_width,
 )
-from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
+from adaserve.exec.torch_runner import ModelRunner
 from tests.exec.test_flashinfer import fake_fi, fi  # noqa: F401  (fixtures: FlashInfer stand-in)
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -67,11 +68,9 @@ def step_batch(kv_lens: list[int], tables: list[list[int]], width: int):
     builder = SequenceBatchBuilder()
     for i, (kv, table) in enumerate(zip(kv_lens, tables)):
         ctx = kv - width
-        mask = torch.zeros(width, kv, dtype=torch.bool)
-        mask[:, :ctx] = True
-        mask[:, ctx:] = torch.ones(width, width, dtype=torch.bool).tril()
         ids = [(5 * i + j) % 90 + 2 for j in range(width)]
-        builder.add(ids, [ctx + j for j in range(width)], kv, table, mask=mask)
+        chain = list(range(-1, width - 1))
+        builder.add(ids, [ctx + j for j in range(width)], kv, table, tree=chain)
     return builder.batch
 
 
@@ -82,7 +81,7 @@ def test_pad_batch_appends_dummy_sequences_only() -> None:
     assert padded.token_ids[:6] == batch.token_ids and padded.positions[:6] == batch.positions
     assert padded.block_tables[:3] == [[3], [4, 5], [6]]
     assert all(t == [9] for t in padded.block_tables[3:]), "dummies must use the dummy table"
-    assert padded.kv_lens[3:] == [2] * 5 and padded.masks[3:] == [None] * 5
+    assert padded.kv_lens[3:] == [2] * 5 and padded.trees[3:] == [None] * 5
     assert padded.logits_indices is None
     assert len(batch.query_lens) == 3, "pad_batch must not change its input"
     with pytest.raises(ValueError):

@@ -53,7 +53,7 @@ def test_module_raises_import_error_without_flashinfer() -> None:
     sys.modules.pop(MODULE, None)
     with pytest.raises(ImportError):
         importlib.import_module(MODULE)
-    from adaserve.exec.engine import _has_flashinfer
+    from adaserve.exec.torch_runner import has_flashinfer as _has_flashinfer
 
     assert not _has_flashinfer(), "_has_flashinfer() must be False without flashinfer"
 

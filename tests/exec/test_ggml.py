@@ -23,10 +23,9 @@ if not ggml_available():
 
 from adaserve import LLM, LLMEngine, SamplingParams  # noqa: E402
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from adaserve.exec.batch import SequenceBatchBuilder  # noqa: E402
 from adaserve.exec.default_model import default_gguf_file, default_model_dir  # noqa: E402
-from adaserve.exec.engine import SequenceBatchBuilder  # noqa: E402
 from adaserve.exec.ggml import GgmlRunner  # noqa: E402
-from adaserve.tree.layout import tree_attention_mask  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +75,7 @@ def verify_tree(runner: GgmlRunner, table: list[int]) -> torch.Tensor:
         [start + d for d in depths(PARENTS)],
         start + n,
         table,
-        mask=tree_attention_mask(PARENTS, start),
+        tree=PARENTS,
     )
     logits = runner.forward(b.batch)
     assert logits is not None
@@ -95,6 +94,28 @@ def test_every_tree_node_gets_the_logits_of_its_path_alone(runner):
         assert torch.equal(tree_logits[node], expect), f"node {node} (path {path}) differs"
     runner.cache.release(table)
     assert runner.cache.num_free_ids == runner.llama.max_seqs
+
+
+def test_trees_reach_llama_cpp_as_parents_never_as_masks(runner, monkeypatch):
+    """The ggml runner turns a batch's parents into sequence ids itself: building the torch
+    backend's masks (ForwardBatch.metadata) is never needed, and each kind of tree is told
+    apart (a chunk or chain is causal, one root is a verification tree, scratch is a draft)."""
+    from adaserve.exec.batch import ForwardBatch
+    from adaserve.exec.ggml import tree_kind
+
+    def no_masks(self):
+        raise AssertionError("the ggml runner built attention masks")
+
+    monkeypatch.setattr(ForwardBatch, "metadata", no_masks)
+    table: list[int] = []
+    prefill(runner, table, PROMPT, len(PROMPT))
+    tree_logits = verify_tree(runner, table)
+    assert tree_logits.shape[0] == len(PARENTS)
+    runner.cache.release(table)
+    assert tree_kind(None, 4) == "causal" and tree_kind([-1, 0, 1], 3) == "causal"
+    assert tree_kind(PARENTS, len(PARENTS)) == "verify"
+    assert tree_kind([-1, -1], 2) == "draft", "several roots: a draft step's frontier"
+    assert tree_kind([-1, -1, 0, 1], 2) == "draft", "scratch slots before the queries"
 
 
 def prefill_logits_of(runner: GgmlRunner, tokens: list[int]) -> torch.Tensor:
@@ -271,11 +292,11 @@ def test_an_eagle_head_drafts_beside_a_ggml_target():
 def test_the_default_draft_beside_a_ggml_target_is_the_torch_four_layer_draft():
     """No draft named: the default target's 4-layer draft on torch (not the target's own
     GGUF file, which a draft_model=None once resolved to)."""
-    from adaserve.exec.engine import ModelRunner
+    from adaserve.exec.torch_runner import ModelRunner
 
     llm = LLM(backend="ggml", policy="adaserve_paper", drafter="model")
     draft = llm.llm_engine.engine.draft
-    assert isinstance(draft, ModelRunner) and draft.model.args.num_layers == 4
+    assert isinstance(draft, ModelRunner) and draft.args.num_layers == 4
 
 
 def test_a_gguf_draft_runs_on_ggml_too():

@@ -7,8 +7,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from adaserve.config import CacheConfig, ModelConfig
-from adaserve.exec.engine import ExecutionEngine, SequenceBatchBuilder
-from adaserve.tree import ancestor_mask, tree_attention_mask
+from adaserve.exec.batch import SequenceBatchBuilder
+from adaserve.exec.engine import ExecutionEngine
+from adaserve.tree import ancestor_mask
 
 ATOL = 1e-4
 
@@ -98,7 +99,7 @@ def test_tree_forward_equals_each_path_alone(tiny_llama):
     n, ctx = len(tokens), len(context)
     cache.reserve(table, ctx + n)
     b = SequenceBatchBuilder()
-    b.add(tokens, [ctx + d for d in depths], ctx + n, table, mask=tree_attention_mask(parents, ctx))
+    b.add(tokens, [ctx + d for d in depths], ctx + n, table, tree=parents)
     got = eng.target.forward(b.batch)
     anc = ancestor_mask(parents)
     for node in range(n):

@@ -9,7 +9,7 @@ import pytest
 
 from adaserve.config import CacheConfig, ModelConfig
 from adaserve.exec.engine import ExecutionEngine
-from adaserve.exec.profile import (
+from adaserve.request_manager.control.profile import (
     LatencyPoint,
     Profile,
     derive_budget,
@@ -125,7 +125,7 @@ def test_the_profile_stores_a_fitted_cost_model_that_predicts_its_points(tiny_ll
 
 
 def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeypatch) -> None:
-    import adaserve.exec.profile as profile_mod
+    import adaserve.request_manager.control.profile as profile_mod
 
     engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
     profile_mod.startup_profile_path(engine).unlink(missing_ok=True)  # another test's server

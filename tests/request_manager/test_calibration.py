@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from adaserve.request_manager.calibration import AcceptanceCalibrator
+from adaserve.request_manager.control.calibration import AcceptanceCalibrator
 from adaserve.tree.candidate import CandidateTree
 
 

@@ -8,8 +8,8 @@ import pytest
 
 from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.request_manager.control import EXPLORE_OBSERVATIONS, SpeculationController
+from adaserve.request_manager.control.controller import EXPLORE_OBSERVATIONS, SpeculationController
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.tree import CandidateTree
 from tests.request_manager.test_speculative import (
     PROMPTS,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from adaserve import SamplingParams
 from adaserve.config import POLICIES
-from adaserve.exec.engine import SequenceBatchBuilder
+from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.loader import load_model
 from adaserve.exec.model.eagle import (
     head_from_target,

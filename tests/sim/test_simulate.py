@@ -11,8 +11,8 @@ import pytest
 
 from adaserve.bench.trace import BenchRequest, TraceRequest
 from adaserve.config import SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.exec.profile import LatencyPoint, Profile
+from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.control.profile import LatencyPoint, Profile
 from adaserve.request_manager.policies import SpecShape
 from adaserve.sim.acceptance import (
     PRIOR_WEIGHT,
@@ -221,7 +221,7 @@ def test_a_servers_fitted_cost_model_is_a_profile_the_simulator_reads(
     tiny_llama, tmp_path: Path
 ) -> None:
     from adaserve import LLM, SamplingParams
-    from adaserve.exec.profile import record_cost_model
+    from adaserve.request_manager.control.profile import record_cost_model
 
     llm = LLM(model=str(tiny_llama), policy="incremental")
     llm.generate([list(range(5, 60))] * 4, SamplingParams(max_tokens=16, temperature=0.0))
@@ -264,7 +264,7 @@ def test_the_simulated_scheduler_starts_from_the_profiles_cost_model(tmp_path: P
 
 def test_a_prompt_chunk_costs_what_the_profile_says_silent_rows_cost() -> None:
     # Rows without logits (prompt chunks, padding) cost b less each, as on the real server.
-    from adaserve.exec.engine import SequenceBatchBuilder
+    from adaserve.exec.batch import SequenceBatchBuilder
 
     g = {1: 0.010, 4: 0.012, 16: 0.020, 32: 0.030}
     model = ForwardCostModel.from_coefficients(g, 0.0, silent_row_s=0.0002)

@@ -8,12 +8,12 @@ from adaserve.request_manager.drafters.base import Drafter, KeepGoing
 
 if TYPE_CHECKING:
     from adaserve.config import SchedulerConfig
-    from adaserve.exec.engine import ExecutionEngine
+    from adaserve.exec.runner import Engine
 
 __all__ = ["Drafter", "KeepGoing", "make_drafter"]
 
 
-def make_drafter(name: str, cfg: SchedulerConfig, engine: ExecutionEngine) -> Drafter:
+def make_drafter(name: str, cfg: SchedulerConfig, engine: Engine) -> Drafter:
     """The drafter called `name` ("model", "eagle", "suffix", or parts joined by "+")."""
     from adaserve.request_manager.drafters.combined import CombinedDrafter
     from adaserve.request_manager.drafters.eagle import EagleDrafter

@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from adaserve.exec.engine import EagleRunner, SequenceBatchBuilder
+from adaserve.exec.batch import SequenceBatchBuilder
+from adaserve.exec.torch_runner import EagleRunner
 from adaserve.request_manager.drafters.base import Drafter, KeepGoing
-from adaserve.request_manager.drafters.model import _draft_mask, _grow, draft_scratch_tokens
+from adaserve.request_manager.drafters.model import _grow, draft_scratch_tokens, scratch_tree
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.request import Request
 from adaserve.tree import CandidateTree
@@ -97,7 +98,7 @@ class EagleDrafter(Drafter):
         assert logits is not None and head.last_hidden is not None
         last = torch.tensor(builder.batch.logits_indices, device=head.device)
         out = head.last_hidden[last]  # [R', H]: each root row's predicted feature
-        vocab = head.model.head_token_ids
+        vocab = head.head_token_ids
         sub = [trees[i] for i in live]
         logprobs = torch.log_softmax(logits, dim=-1)
         frontier = _grow(sub, [[0] for _ in live], logprobs[:, None, :], shape, 0, vocab)
@@ -119,7 +120,7 @@ class EagleDrafter(Drafter):
                     [r.num_tokens - 2 + tree.depths[v] for v in frontier[k]],
                     kv_len,
                     r.draft_block_table,
-                    mask=_draft_mask(tree, frontier[k], scratch[k], committed, kv_len),
+                    tree=scratch_tree(tree, scratch[k], committed),
                 )
                 feats += [hid[k][tree.parents[v]] for v in frontier[k]]
             builder.batch.features = torch.stack(feats)

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from adaserve.exec.engine import ModelRunner, SequenceBatchBuilder
+from adaserve.exec.batch import SequenceBatchBuilder
+from adaserve.exec.runner import Runner
 from adaserve.request_manager.drafters.base import Drafter, KeepGoing
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.request import Request
@@ -34,7 +35,7 @@ class ModelDrafter(Drafter):
     name = "model"
     costly = True
 
-    def __init__(self, draft: ModelRunner, graphs: DraftGraphRunner | None = None) -> None:
+    def __init__(self, draft: Runner, graphs: DraftGraphRunner | None = None) -> None:
         self.draft, self.graphs = draft, graphs
 
     def scratch_tokens(self, shape: SpecShape) -> int:
@@ -47,7 +48,7 @@ class ModelDrafter(Drafter):
 
 
 def speculate(
-    draft: ModelRunner,
+    draft: Runner,
     requests: Sequence[Request],
     shape: SpecShape,
     graphs: DraftGraphRunner | None = None,
@@ -73,7 +74,7 @@ def speculate(
         )
         r.draft_num_cached = n
     # With a reduced-vocabulary head, column j is token vocab[j] (K columns instead of V).
-    vocab = draft.model.head_token_ids
+    vocab = draft.head_token_ids
     logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V or K]
     frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, 0, vocab)
     scratch: list[dict[int, int]] = [{} for _ in requests]  # node -> draft KV index
@@ -91,7 +92,7 @@ def speculate(
                 [r.num_tokens - 1 + trees[i].depths[v] for v in frontier[i]],
                 kv_len,
                 r.draft_block_table,
-                mask=_draft_mask(trees[i], frontier[i], scratch[i], r.num_tokens, kv_len),
+                tree=scratch_tree(trees[i], scratch[i], r.num_tokens),
             )
         width = len(frontier[0])
         # Steps 2..d repeat one shape per (R, width): replay it from a CUDA graph when one fits.
@@ -142,15 +143,13 @@ def _grow(
     return new_frontier
 
 
-def _draft_mask(
-    tree: CandidateTree, frontier: list[int], scratch: dict[int, int], num_tokens: int, kv_len: int
-) -> torch.Tensor:
-    """[F, kv_len] bool: committed context plus each fed node's own scratch ancestors and itself."""
-    mask = torch.zeros(len(frontier), kv_len, dtype=torch.bool)
-    mask[:, :num_tokens] = True
-    for row, node in enumerate(frontier):
-        v = node
-        while v > 0:  # the root lives in the committed context
-            mask[row, scratch[v]] = True
-            v = tree.parents[v]
-    return mask
+def scratch_tree(tree: CandidateTree, scratch: dict[int, int], committed: int) -> list[int]:
+    """Parents of a draft step's tree slots (`exec/batch.py`): every scratch node fed so far,
+    in KV order from `committed`; a node whose parent is the root (the last committed token)
+    attaches to the context (-1)."""
+    nodes = sorted(scratch, key=scratch.__getitem__)
+    parents = []
+    for v in nodes:
+        p = tree.parents[v]
+        parents.append(-1 if p == 0 else scratch[p] - committed)
+    return parents

@@ -27,9 +27,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from adaserve.config import SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.request_manager.calibration import AcceptanceCalibrator
+from adaserve.request_manager.control.calibration import AcceptanceCalibrator
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.policies import SpecShape
+from adaserve.request_manager.slo import TSpecEstimator
 from adaserve.tree import CandidateTree
 
 # Weight of the newest iteration in the moving averages of R and of the draft-step time.
@@ -74,7 +75,6 @@ class SpeculationController:
         self.off_until = -1  # iteration index before which drafting stays off
         self.probe_interval = cfg.probe_interval_min
         self.iteration = 0
-        self.num_draft_iterations = 0
         self.num_skipped_drafts = 0
         self.pruned_streak = 0  # iterations in a row whose trees were pruned to nothing
         self.probing = False  # this iteration probes a drafter that was switched off
@@ -84,7 +84,6 @@ class SpeculationController:
     def should_draft(self, num_requests: int, shape: SpecShape, context: int) -> bool:
         self.iteration += 1
         if not self.costly_drafter:
-            self.num_draft_iterations += 1
             return True
         if (
             self.iteration >= self.off_until
@@ -94,7 +93,6 @@ class SpeculationController:
             # look again only after the longest probe interval (costs may change).
             self.off_until = self.iteration + self.cfg.probe_interval_max
         if self.iteration >= self.off_until:
-            self.num_draft_iterations += 1
             # A probe after an off period drafts one level: if depth 1 does not pay, no
             # deeper tree will, and a shallow probe costs one draft step, not d.
             self.probing = self.num_scored >= MIN_SCORED and self.iteration == self.off_until
@@ -160,6 +158,10 @@ class SpeculationController:
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         padded_s = self.verify_cost.predict(padded, context, padded - tokens)
         return max(padded_s, MIN_FORWARD_S)
+
+    def record_iteration_time(self, shape: SpecShape | None, total_s: float) -> None:
+        """Nothing to learn here: t_spec comes from the cost model (`t_spec_s`)."""
+        return None
 
     def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
@@ -282,5 +284,98 @@ class SpeculationController:
     ) -> None:
         self.calibrator.observe_verification(tree, verified, accepted)
 
-    def observe_forward(self, tokens: int, context: int, seconds: float) -> None:
-        self.verify_cost.observe(tokens, context, seconds)
+    def after_iteration(
+        self,
+        shape: SpecShape | None,
+        trees: Sequence[CandidateTree],
+        expected_tokens: Sequence[float],
+        draft_s: float,
+        num_requests: int,
+        accepted: int,
+        padded_tokens: int,
+        context: int,
+    ) -> None:
+        """Score an iteration in which the costly drafter ran; refine the draft's cost model."""
+        if shape is None or not self.costly_drafter or shape.cheap_only:
+            return  # only iterations where the costly drafter ran score it
+        steps = max(max(t.depths) for t in trees)
+        self.record_draft_time(draft_s, steps, num_requests * shape.width, context)
+        # Scored by the calibrated expectation once calibration has seen the drafter (one
+        # lucky probe must not switch a bad draft back on), by what was accepted before.
+        tokens = num_requests + accepted if self.exploring else sum(expected_tokens)
+        self.record_score(
+            self.iteration_ratio(tokens, num_requests, padded_tokens, context, draft_s)
+        )
+
+    def calibration_summary(self):
+        """Per-depth calibration and whether drafting is on (the /metrics gauges)."""
+        return self.calibrator.depth_summary(), self.drafting_on
+
+
+class NoControl:
+    """The controller of policies that reproduce the paper or a baseline (and incremental):
+    draft whenever the policy does, verify what the selection chose, pad nothing. t_spec is
+    the moving average of measured speculative iterations, as the paper has it."""
+
+    drafting_on = True
+    probing = False
+    exploring = False
+
+    def __init__(self, cfg: SchedulerConfig) -> None:
+        self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
+
+    def should_draft(self, num_requests: int, shape: SpecShape, context: int) -> bool:
+        return True
+
+    def keep_going(self, num_requests: int, context: int) -> None:
+        return None  # drafters grow every level the shape asks for
+
+    def calibrate(self, trees: Sequence[CandidateTree]) -> list[CandidateTree]:
+        return list(trees)
+
+    def t_spec_s(
+        self, num_requests: int, context: int, shape: SpecShape, extra_tokens: int = 0
+    ) -> float:
+        return self.t_spec.value_s
+
+    def prune(
+        self,
+        trees: Sequence[CandidateTree],
+        selections: Sequence[Sequence[int]],
+        protected: Sequence[Sequence[int]],
+        context: int,
+    ) -> tuple[list[list[int]], float]:
+        expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
+        return [list(s) for s in selections], expected
+
+    def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
+        return tokens
+
+    def observe_verification(
+        self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]
+    ) -> None:
+        return None
+
+    def after_iteration(
+        self,
+        shape: SpecShape | None,
+        trees: Sequence[CandidateTree],
+        expected_tokens: Sequence[float],
+        draft_s: float,
+        num_requests: int,
+        accepted: int,
+        padded_tokens: int,
+        context: int,
+    ) -> None:
+        return None
+
+    def record_iteration_time(self, shape: SpecShape | None, total_s: float) -> None:
+        """t_spec learns from iterations that speculated (plain decoding is another shape)."""
+        if shape is not None:
+            self.t_spec.update(total_s)
+
+    def calibration_summary(self):
+        return None
+
+
+Controller = SpeculationController | NoControl

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from adaserve.exec.cost_model import DraftCostModel, ForwardCostModel, bucket_of
+from adaserve.request_manager.control.cost_model import ForwardCostModel, bucket_of
 
 SLOPE = 2e-6  # seconds per context token
 
@@ -278,16 +278,6 @@ def test_measures_how_far_forwards_stray_from_its_prediction():
     ForwardCostModel.from_json(model.to_json())  # readers of the coefficients still load it
     assert ForwardCostModel().prediction_error() == (0, 0.0, 0.0)
     assert "log_error" not in json.loads(ForwardCostModel().to_json()), "nothing measured"
-
-
-def test_draft_cost_model():
-    draft = DraftCostModel()
-    draft.step.seed([(1, 0, 0.010), (4, 0, 0.030), (8, 0, 0.020)])
-    assert draft.predict(0, 4, 8, 0) == 0.0, "zero steps should cost nothing"
-    assert draft.predict(3, 4, 8, 0) == pytest.approx(0.030 + 2 * 0.020), "first + frontier steps"
-    for _ in range(100):
-        draft.observe_step(8, 0, 0.040)
-    assert draft.predict(2, 4, 8, 0) == pytest.approx(0.030 + 0.040, rel=0.01), "step not learned"
 
 
 def test_rejects_bad_samples():

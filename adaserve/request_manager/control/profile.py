@@ -9,18 +9,15 @@ Measured on the machine that serves, never taken from a spec sheet:
 - baseline latency: minimal per-iteration latency of incremental decoding, batch 8, input 32,
   output 128 (AdaServe's definition), the unit of relative SLOs (`slo_ratio` in traces).
 
-    adaserve profile [MODEL] --out profile.json [--quick]   (or python -m adaserve.exec.profile)
+    adaserve profile [MODEL] --out profile.json [--quick]   (adaserve/bench/profile.py)
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import logging
 import statistics
-import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -28,16 +25,24 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from adaserve.config import BACKENDS, DTYPES, CacheConfig, ModelConfig, SchedulerConfig
-from adaserve.exec.cost_model import ForwardCostModel
-from adaserve.exec.engine import ExecutionEngine, ModelRunner, SequenceBatchBuilder
+from adaserve.config import SchedulerConfig
+from adaserve.exec.engine import ExecutionEngine
+from adaserve.exec.timing import (
+    BASELINE_BATCH,
+    BASELINE_INPUT,
+    NUM_SEQS,
+    baseline_latency_ms,
+    powers_of_two,
+    split_tokens,
+    time_forward,
+    time_forward_samples,
+)
+from adaserve.request_manager.control.cost_model import ForwardCostModel
 
 log = logging.getLogger("adaserve.profile")
 
 DEFAULT_BUDGET_FACTOR = 1.5
 BUDGET_CONTEXT = 256
-# A forward's tokens are spread over at most this many sequences (the paper's baseline batch).
-NUM_SEQS = 8
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,6 @@ DRAFT_MAX_TOKENS = 64
 # 2..16-token forward (one token cannot cost more than several; a busy machine makes it so).
 NOISE_SPREAD = 0.5
 NOISE_ONE_TOKEN = 1.5
-BASELINE_BATCH, BASELINE_INPUT = 8, 32
 # t_spec assumes D_max draft steps per iteration: the deepest tree the scheduler grows.
 T_SPEC_DRAFT_STEPS = SchedulerConfig().max_depth
 
@@ -122,7 +126,7 @@ class Profile:
     def cost_points(self) -> list[tuple[int, int, float]]:
         """Target points as (tokens, total context tokens, seconds) for the online cost model."""
         return [
-            (p.tokens, p.context * len(_split(p.tokens, NUM_SEQS)), p.ms / 1000.0)
+            (p.tokens, p.context * len(split_tokens(p.tokens, NUM_SEQS)), p.ms / 1000.0)
             for p in self.target
         ]
 
@@ -220,133 +224,6 @@ def derive_budget(latency_ms: dict[int, float], factor: float) -> int:
     return budget
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _split(tokens: int, num_seqs: int) -> list[int]:
-    n = min(tokens, num_seqs)
-    return [tokens // n + (i < tokens % n) for i in range(n)]
-
-
-def time_forward(runner: ModelRunner, tokens: int, context: int, repeats: int) -> float | None:
-    """Median ms of one forward of `tokens` new tokens over `context` cached ones per sequence.
-
-    None when the KV pool cannot hold the shape. KV is reserved for the run and released after.
-    """
-    samples = time_forward_samples(runner, tokens, context, repeats)
-    return None if samples is None else statistics.median(samples)
-
-
-def time_forward_samples(
-    runner: ModelRunner, tokens: int, context: int, repeats: int
-) -> list[float] | None:
-    """Every timed run (ms) of `time_forward`'s shape; None when the KV pool cannot hold it."""
-    cache, vocab = runner.cache, runner.model.args.vocab_size
-    lens = _split(tokens, NUM_SEQS)
-    if sum(cache.blocks_needed([], context + q) for q in lens) > cache.allocator.num_free:
-        return None
-    tables: list[list[int]] = [[] for _ in lens]
-    try:
-        builder, warm = SequenceBatchBuilder(), SequenceBatchBuilder()
-        for table, q in zip(tables, lens):
-            cache.reserve(table, context + q)
-            ids = [(context + i) % vocab for i in range(q)]  # any in-vocabulary ids will do
-            builder.add(ids, list(range(context, context + q)), context + q, table)
-            if context:
-                warm.add(
-                    list(range(1, context + 1)), list(range(context)), context, table, logits="none"
-                )
-        if context and getattr(runner, "needs_context", False):
-            # A backend whose attention reads only the cells a sequence holds (ggml) would
-            # time a context-free forward: compute the context first.
-            runner.forward(warm.batch)
-        samples = []
-        for i in range(repeats + 1):  # the first run warms this shape up and is not counted
-            _sync(runner.device)
-            start = time.perf_counter()
-            runner.forward(builder.batch)
-            _sync(runner.device)
-            if i:
-                samples.append(1000.0 * (time.perf_counter() - start))
-        return samples
-    finally:
-        for table in tables:
-            cache.release(table)
-
-
-def forward_cost_points(
-    runner: ModelRunner, max_tokens: int, context: int = 64, repeats: int = 2
-) -> list[tuple[int, int, float]]:
-    """A quick cost curve to seed the online cost model: (tokens, total context, seconds).
-
-    The small counts where the curve bends (on a CPU the 2nd token can cost more than the
-    8th), then powers of two up to `max_tokens`; the online model refines it as it runs.
-    """
-    small = [n for n in (1, 2, 3, 4, 6, 8, 12) if n <= max_tokens]
-    counts = sorted({*small, *_token_counts(max_tokens)})
-    time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
-    # A small KV pool cannot hold every shape at this context: shrink the context, not the curve.
-    cache = runner.cache
-    per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
-    context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
-    points = []
-    for tokens in counts:
-        ms = time_forward(runner, tokens, context, repeats)
-        if ms is not None:
-            points.append((tokens, context * len(_split(tokens, NUM_SEQS)), ms / 1000.0))
-    return points
-
-
-def baseline_latency_ms(runner: ModelRunner, steps: int) -> float:
-    """Minimal per-iteration latency of incremental decoding (batch 8, input 32, `steps` out).
-
-    Each iteration is a 1-token-per-sequence forward plus the greedy pick that a real
-    iteration's sampler makes (its host copy is where a GPU iteration really ends).
-    """
-    cache, vocab = runner.cache, runner.model.args.vocab_size
-    tables: list[list[int]] = [[] for _ in range(BASELINE_BATCH)]
-    total = BASELINE_INPUT + steps
-    if BASELINE_BATCH * cache.blocks_needed([], total) > cache.allocator.num_free:
-        raise ValueError(
-            f"the KV pool ({cache.num_blocks} blocks) cannot hold the baseline batch "
-            f"({BASELINE_BATCH} x {total} tokens); give it more blocks"
-        )
-    try:
-        prefill = SequenceBatchBuilder()
-        for t in tables:
-            cache.reserve(t, total)
-            prefill.add(
-                [i % vocab for i in range(1, BASELINE_INPUT + 1)],
-                list(range(BASELINE_INPUT)),
-                BASELINE_INPUT,
-                t,
-                logits="last",
-            )
-        last = runner.forward(prefill.batch).argmax(-1).tolist()  # type: ignore[union-attr]
-        best = float("inf")
-        for pos in range(BASELINE_INPUT, total):
-            step = SequenceBatchBuilder()
-            for t, tok in zip(tables, last):
-                step.add([tok], [pos], pos + 1, t)
-            _sync(runner.device)
-            start = time.perf_counter()
-            last = runner.forward(step.batch).argmax(-1).tolist()  # type: ignore[union-attr]
-            best = min(best, 1000.0 * (time.perf_counter() - start))
-        return best
-    finally:
-        for t in tables:
-            cache.release(t)
-
-
-def _token_counts(max_tokens: int) -> list[int]:
-    counts = [1]
-    while counts[-1] * 2 <= max_tokens:
-        counts.append(counts[-1] * 2)
-    return counts
-
-
 def profile_engine(
     engine: ExecutionEngine,
     quick: bool = False,
@@ -364,13 +241,13 @@ def profile_engine(
     max_tokens = max_tokens or plan.max_tokens
     ctxs = sorted({*(contexts or plan.contexts), BUDGET_CONTEXT})
     # A sequence holds context + its share of the tokens; longer ones the model cannot run.
-    longest = _split(max_tokens, NUM_SEQS)[0]
+    longest = split_tokens(max_tokens, NUM_SEQS)[0]
     ctxs = [c for c in ctxs if c + longest <= engine.max_model_len] or [0]
-    counts = _token_counts(max_tokens)
+    counts = powers_of_two(max_tokens)
     budget_ctx = min(ctxs, key=lambda c: (abs(c - BUDGET_CONTEXT), c))
     jobs = [("target", engine.target, t, c) for c in ctxs for t in counts]
     if engine.draft is not None:
-        jobs += [("draft", engine.draft, t, budget_ctx) for t in _token_counts(DRAFT_MAX_TOKENS)]
+        jobs += [("draft", engine.draft, t, budget_ctx) for t in powers_of_two(DRAFT_MAX_TOKENS)]
     bar = tqdm(total=len(jobs) + 1, desc="profiling", unit="shape", disable=not progress)
     points: dict[str, list[LatencyPoint]] = {"target": [], "draft": []}
     spread = 0.0
@@ -392,7 +269,7 @@ def profile_engine(
     at_budget_ctx = {p.tokens: p.ms for p in points["target"] if p.context == budget_ctx}
     cost = ForwardCostModel()
     cost.seed(
-        (p.tokens, p.context * len(_split(p.tokens, NUM_SEQS)), p.ms / 1000.0)
+        (p.tokens, p.context * len(split_tokens(p.tokens, NUM_SEQS)), p.ms / 1000.0)
         for p in points["target"]
     )
     cost_json = json.loads(cost.to_json())
@@ -474,7 +351,7 @@ def record_cost_model(
     it, for `adaserve simulate --cost-model` (or `serve --profile`)."""
     counts = sorted({*range(1, 9), 12, 16, 32, 64, budget})
     points = tuple(
-        LatencyPoint(n, ctx, 1000.0 * cost_model.predict(n, ctx * len(_split(n, NUM_SEQS))))
+        LatencyPoint(n, ctx, 1000.0 * cost_model.predict(n, ctx * len(split_tokens(n, NUM_SEQS))))
         for ctx in (64, BUDGET_CONTEXT, 1024)
         for n in counts
     )
@@ -493,82 +370,3 @@ def record_cost_model(
         backend=getattr(engine, "backend", "torch"),
     )
     return prof.save(path)
-
-
-# ---------------------------------------------------------------------------- command line
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    m, c = ModelConfig(), CacheConfig()
-    p.add_argument("model", nargs="?", default=m.model, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--draft-model", default=m.draft_model, help="draft checkpoint to profile")
-    p.add_argument("--no-draft", action="store_true", help="profile the target only")
-    p.add_argument("--dtype", choices=DTYPES, default=m.dtype, help="weight and KV dtype")
-    p.add_argument("--device", default=m.device, help="cpu or cuda[:N]")
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default=m.backend,
-        help="who runs the target (as serve's --backend; auto: ggml for a GGUF model on the "
-        "CPU when installed)",
-    )
-    p.add_argument("--num-blocks", type=int, default=c.num_blocks, help="KV blocks to use")
-    p.add_argument("--out", default="profile.json", help="where to write the profile")
-    p.add_argument("--quick", action="store_true", help="the short start-up profile")
-    p.add_argument(
-        "--budget-factor",
-        type=float,
-        default=DEFAULT_BUDGET_FACTOR,
-        help="B = largest token count whose forward takes <= this x a 1-token forward",
-    )
-    p.add_argument("--max-tokens", type=int, default=None, help="largest token count measured")
-    p.add_argument(
-        "--contexts", default=None, help="comma list of context lengths (default: 64,256,1024)"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.budget_factor > 1.0:
-        raise ValueError(f"--budget-factor must be > 1, got {args.budget_factor}")
-    # The default target brings its own draft; another target profiles a draft only if named.
-    need_draft = not args.no_draft and (args.draft_model is not None or args.model is None)
-    engine = ExecutionEngine(
-        ModelConfig(
-            model=args.model,
-            draft_model=None if args.no_draft else args.draft_model,
-            dtype=args.dtype,
-            device=args.device,
-            backend=args.backend,
-        ),
-        CacheConfig(num_blocks=args.num_blocks),
-        need_draft=need_draft,
-    )
-    contexts = [int(x) for x in args.contexts.split(",")] if args.contexts else None
-    prof = profile_engine(
-        engine,
-        quick=args.quick,
-        progress=not args.no_progress,
-        budget_factor=args.budget_factor,
-        max_tokens=args.max_tokens,
-        contexts=contexts,
-    )
-    path = prof.save(args.out)
-    if prof.budget >= max(p.tokens for p in prof.target):
-        print("note: B is the largest count measured; raise --max-tokens to find the real one")
-    print(
-        f"{prof.model} on {prof.device}: budget B = {prof.budget} tokens (x{prof.budget_factor:g} "
-        f"of a 1-token forward, context {prof.budget_context}), baseline latency "
-        f"{prof.baseline_latency_ms:.2f} ms, t_spec(B) {1000 * prof.t_spec_s(prof.budget):.2f} ms"
-        f"\nwrote {path}"
-    )
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    from adaserve.entry import standalone_main
-
-    doc = __doc__.split("\n\n")[0]
-    return standalone_main("adaserve profile", doc, add_arguments, run, argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

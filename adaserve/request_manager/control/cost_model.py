@@ -504,25 +504,3 @@ def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) ->
         return values[-1] + max(step, 0.0) * (k - knots[-1])
     k0, k1, v0, v1 = knots[i - 1], knots[i], values[i - 1], values[i]
     return v0 + (v1 - v0) * (k - k0) / (k1 - k0)
-
-
-class DraftCostModel:
-    """Draft iteration time: one first step (roots and catch-up tokens), then frontier steps.
-
-    T = step(roots, c) + (num_steps - 1) * step(frontier_tokens, c); the context is taken as
-    constant over the iteration (its growth by a few tokens per step is within noise).
-    """
-
-    def __init__(self, step: ForwardCostModel | None = None) -> None:
-        self.step = step if step is not None else ForwardCostModel()
-
-    def predict(self, num_steps: int, roots: int, frontier_tokens: int, context: int) -> float:
-        """Predicted seconds of a draft iteration of `num_steps` forwards (0 for 0 steps)."""
-        if num_steps <= 0:
-            return 0.0
-        first = self.step.predict(roots, context)
-        return first + (num_steps - 1) * self.step.predict(max(frontier_tokens, 1), context)
-
-    def observe_step(self, tokens: int, context: int, seconds: float) -> bool:
-        """Add one measured draft forward; False if rejected as an outlier."""
-        return self.step.observe(tokens, context, seconds)

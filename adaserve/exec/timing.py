@@ -1,0 +1,149 @@
+"""Timing a runner's forwards: the measured cost curve that seeds a cost model, the latency
+of one shape, and the baseline latency of incremental decoding (the unit of relative SLOs).
+
+Beside the runners: any `Runner` (`exec/runner.py`) is timed the same way.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from adaserve.exec.batch import SequenceBatchBuilder
+from adaserve.exec.runner import Runner
+
+# A forward's tokens are spread over at most this many sequences (the paper's baseline batch).
+NUM_SEQS = 8
+# The paper's baseline latency: incremental decoding at batch 8, input 32.
+BASELINE_BATCH, BASELINE_INPUT = 8, 32
+# Token counts where a CPU's cost curve bends (the 2nd token can cost more than the 8th).
+SMALL_COUNTS = (1, 2, 3, 4, 6, 8, 12)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def split_tokens(tokens: int, num_seqs: int) -> list[int]:
+    n = min(tokens, num_seqs)
+    return [tokens // n + (i < tokens % n) for i in range(n)]
+
+
+def time_forward(runner: Runner, tokens: int, context: int, repeats: int) -> float | None:
+    """Median ms of one forward of `tokens` new tokens over `context` cached ones per sequence.
+
+    None when the KV pool cannot hold the shape. KV is reserved for the run and released after.
+    """
+    samples = time_forward_samples(runner, tokens, context, repeats)
+    return None if samples is None else statistics.median(samples)
+
+
+def time_forward_samples(
+    runner: Runner, tokens: int, context: int, repeats: int
+) -> list[float] | None:
+    """Every timed run (ms) of `time_forward`'s shape; None when the KV pool cannot hold it."""
+    cache, vocab = runner.cache, runner.args.vocab_size
+    lens = split_tokens(tokens, NUM_SEQS)
+    if sum(cache.blocks_needed([], context + q) for q in lens) > cache.allocator.num_free:
+        return None
+    tables: list[list[int]] = [[] for _ in lens]
+    try:
+        builder, warm = SequenceBatchBuilder(), SequenceBatchBuilder()
+        for table, q in zip(tables, lens):
+            cache.reserve(table, context + q)
+            ids = [(context + i) % vocab for i in range(q)]  # any in-vocabulary ids will do
+            builder.add(ids, list(range(context, context + q)), context + q, table)
+            if context:
+                warm.add(
+                    list(range(1, context + 1)), list(range(context)), context, table, logits="none"
+                )
+        if context and runner.needs_context:
+            # A backend whose attention reads only the cells a sequence holds (ggml) would
+            # time a context-free forward: compute the context first.
+            runner.forward(warm.batch)
+        samples = []
+        for i in range(repeats + 1):  # the first run warms this shape up and is not counted
+            _sync(runner.device)
+            start = time.perf_counter()
+            runner.forward(builder.batch)
+            _sync(runner.device)
+            if i:
+                samples.append(1000.0 * (time.perf_counter() - start))
+        return samples
+    finally:
+        for table in tables:
+            cache.release(table)
+
+
+def forward_cost_points(
+    runner: Runner, max_tokens: int, context: int = 64, repeats: int = 2
+) -> list[tuple[int, int, float]]:
+    """A quick cost curve to seed the online cost model: (tokens, total context, seconds).
+
+    The small counts where the curve bends (on a CPU the 2nd token can cost more than the
+    8th), then powers of two up to `max_tokens`; the online model refines it as it runs.
+    """
+    small = [n for n in SMALL_COUNTS if n <= max_tokens]
+    counts = sorted({*small, *powers_of_two(max_tokens)})
+    time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
+    # A small KV pool cannot hold every shape at this context: shrink the context, not the curve.
+    cache = runner.cache
+    per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
+    context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
+    points = []
+    for tokens in counts:
+        ms = time_forward(runner, tokens, context, repeats)
+        if ms is not None:
+            points.append((tokens, context * len(split_tokens(tokens, NUM_SEQS)), ms / 1000.0))
+    return points
+
+
+def baseline_latency_ms(runner: Runner, steps: int) -> float:
+    """Minimal per-iteration latency of incremental decoding (batch 8, input 32, `steps` out).
+
+    Each iteration is a 1-token-per-sequence forward plus the greedy pick that a real
+    iteration's sampler makes (its host copy is where a GPU iteration really ends).
+    """
+    cache, vocab = runner.cache, runner.args.vocab_size
+    tables: list[list[int]] = [[] for _ in range(BASELINE_BATCH)]
+    total = BASELINE_INPUT + steps
+    if BASELINE_BATCH * cache.blocks_needed([], total) > cache.allocator.num_free:
+        raise ValueError(
+            f"the KV pool ({cache.num_blocks} blocks) cannot hold the baseline batch "
+            f"({BASELINE_BATCH} x {total} tokens); give it more blocks"
+        )
+    try:
+        prefill = SequenceBatchBuilder()
+        for t in tables:
+            cache.reserve(t, total)
+            prefill.add(
+                [i % vocab for i in range(1, BASELINE_INPUT + 1)],
+                list(range(BASELINE_INPUT)),
+                BASELINE_INPUT,
+                t,
+                logits="last",
+            )
+        last = runner.forward(prefill.batch).argmax(-1).tolist()  # type: ignore[union-attr]
+        best = float("inf")
+        for pos in range(BASELINE_INPUT, total):
+            step = SequenceBatchBuilder()
+            for t, tok in zip(tables, last):
+                step.add([tok], [pos], pos + 1, t)
+            _sync(runner.device)
+            start = time.perf_counter()
+            last = runner.forward(step.batch).argmax(-1).tolist()  # type: ignore[union-attr]
+            best = min(best, 1000.0 * (time.perf_counter() - start))
+        return best
+    finally:
+        for t in tables:
+            cache.release(t)
+
+
+def powers_of_two(max_tokens: int) -> list[int]:
+    counts = [1]
+    while counts[-1] * 2 <= max_tokens:
+        counts.append(counts[-1] * 2)
+    return counts

@@ -1,0 +1,125 @@
+"""Admission: the load averages, the TPOT a request admitted now would see, and refusal.
+
+The scheduler feeds it every iteration (`observe`); the API asks it whether a request should
+be refused (`refusal`, `--admission slo`) and never reads the scheduler's internals. Chunked
+prefill prices iterations through `iteration_s` (the cost model's forward plus host time).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from adaserve.config import SchedulerConfig
+from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.request import Request
+from adaserve.request_manager.stats import IterationStats
+
+# (running, prefilling, waiting): the scheduler's queues as they stand.
+Queues = Callable[[], tuple[Sequence[Request], Sequence[Request], Sequence[Request]]]
+
+
+class Admission:
+    """Load averages over the iterations as they ran, and the admission decision."""
+
+    def __init__(self, cfg: SchedulerConfig, cost: ForwardCostModel | None, queues: Queues):
+        self.cfg, self.cost, self.queues = cfg, cost, queues
+        # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
+        # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
+        self.tokens_per_request = 1.0
+        # Recent decode iterations as they ran (EMA, None before the first): wall time from
+        # one start to the next (forward, prefill chunks riding along, drafting, host time),
+        # and forward tokens per decoding request.
+        self.decode_period_s: float | None = None
+        self.forward_tokens_per_request = 1.0
+        # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
+        # forward the cost model predicts plus this, which TPOT predictions must count.
+        self.host_s = 0.0
+        self._host_samples = 0
+        self.busy_until: float | None = None  # end of the last iteration, while work remains
+
+    # ------------------------------------------------------------------ predictions
+    def iteration_s(
+        self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
+        """Predicted wall time of an iteration whose forward runs `tokens` tokens, `silent` of
+        them without logits (prompt-chunk tokens) attending `silent_pairs` keys in all."""
+        assert self.cost is not None
+        return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
+
+    def predicted_tpot_s(self) -> float | None:
+        """Seconds per output token a request admitted now would see once it decodes, over
+        the tokens per request iterations have recently emitted. The iteration: the cost
+        model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
+        one token each), or, while requests decode, the recent iteration period scaled by
+        the cost model from the running batch to that one, if longer (it has what the cost
+        of one token each misses: prefill chunks riding along, tree tokens, drafting).
+        None without a cost model (nothing to predict from)."""
+        if self.cost is None:
+            return None
+        running, prefilling, waiting = self.queues()
+        reqs = [*running, *prefilling, *waiting]
+        n = min(len(reqs) + 1, self.cfg.max_num_seqs)
+        context = sum(r.num_tokens for r in reqs[:n])
+        iteration = self.iteration_s(n, context)
+        if running and self.decode_period_s is not None:
+            per = self.forward_tokens_per_request
+            now = self.iteration_s(
+                max(1, round(per * len(running))), sum(r.num_tokens for r in running)
+            )
+            after = self.iteration_s(max(1, round(per * n)), context)
+            if now > 0:
+                iteration = max(iteration, self.decode_period_s * after / now)
+        return iteration / self.tokens_per_request
+
+    def refusal(self, slo_tpot_ms: float | None) -> str | None:
+        """Why a request with this TPOT SLO should be refused now, or None to admit it.
+
+        Refused when the predicted TPOT with it admitted exceeds `slo_headroom` of its own
+        SLO, or of the tightest SLO among the requests already admitted: a lenient request
+        that would push the others past theirs is refused too, so admitted requests keep
+        their SLOs."""
+        tpot = self.predicted_tpot_s()
+        if tpot is None:
+            return None
+        ms = 1000.0 * tpot
+        headroom = self.cfg.slo_headroom
+        if slo_tpot_ms is not None and ms > headroom * slo_tpot_ms:
+            return (
+                f"slo_tpot_ms {slo_tpot_ms:g} cannot be met at the current load (about "
+                f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
+            )
+        running, prefilling, waiting = self.queues()
+        admitted = [r.params.slo_tpot_ms for r in (*running, *prefilling, *waiting)]
+        held = min((s for s in admitted if s is not None), default=None)
+        if held is not None and ms > headroom * held:
+            return (
+                f"admitting this request would slow the requests being served past their "
+                f"slo_tpot_ms {held:g} (about {ms:.0f} ms per token predicted); retry later"
+            )
+        return None
+
+    # ------------------------------------------------------------------ observations
+    def gap_s(self, now: float) -> float | None:
+        """Seconds since the previous iteration ended (None: the engine was idle)."""
+        return None if self.busy_until is None else now - self.busy_until
+
+    def observe(self, stats: IterationStats, gap_s: float | None, num_decoding: int) -> None:
+        """Fold a finished iteration into the averages (sets its `host_s`)."""
+        a = self.cfg.admission_ema
+        if gap_s is not None:
+            stats.host_s = max(0.0, gap_s + stats.total_s - stats.forward_s - stats.draft_s)
+            rate = max(self.cfg.host_ema, 1.0 / (self._host_samples + 1))  # the mean at first
+            self.host_s += rate * (stats.host_s - self.host_s)
+            self._host_samples += 1
+        if not num_decoding:
+            return
+        per = (stats.emitted_tokens - stats.prefill_requests) / num_decoding
+        self.tokens_per_request += self.cfg.tokens_per_request_ema * (
+            max(per, 1.0) - self.tokens_per_request
+        )
+        if gap_s is not None:  # busy since the last iteration: a true period
+            period = stats.total_s + gap_s
+            last = self.decode_period_s
+            self.decode_period_s = period if last is None else last + a * (period - last)
+            tokens = stats.num_tokens / num_decoding
+            self.forward_tokens_per_request += a * (tokens - self.forward_tokens_per_request)
