@@ -95,6 +95,10 @@ class CacheConfig:
     draft_blocks_ratio: float = 1.0
     # Reuse the KV of full blocks whose tokens (and everything before them) were seen before.
     enable_prefix_caching: bool = True
+    # Most cells of the ggml backend's KV cache when sized from memory: llama.cpp walks every
+    # cell to drop or copy a sequence, so a cache far larger than the traffic costs time each
+    # step.
+    ggml_max_cache_tokens: int = 65536
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -157,6 +161,17 @@ class SchedulerConfig:
     cost_forget: float = 0.98
     probe_interval_min: int = 8
     probe_interval_max: int = 256
+    # The controller's score R: weight of the newest drafting iteration in its moving
+    # average, and iterations scored before the first on/off decision (cold start trusts the
+    # prior). Until explore_observations depth-1 nodes were verified trees are not pruned
+    # (calibration must first see what the drafter is worth). A forward is padded only when
+    # predicted pad_min_saving cheaper, and every pad_explore_every-th time it runs unpadded
+    # anyway, to keep measuring the exact size.
+    control_score_ema: float = 0.3
+    control_min_scored: int = 3
+    explore_observations: int = 16
+    pad_min_saving: float = 0.1
+    pad_explore_every: int = 16
     # Append every verified tree to this JSONL file (the simulator's recorded acceptance).
     record_acceptance: str | None = None
     # Admission (request_manager/admission.py). --admission slo admits a request while the
@@ -175,6 +190,8 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0.0 <= self.slo_pace_margin < 1.0:
             raise ValueError(f"slo_pace_margin must be in [0, 1), got {self.slo_pace_margin}")
+        if not 0.0 <= self.pad_min_saving < 1.0:
+            raise ValueError(f"pad_min_saving must be in [0, 1), got {self.pad_min_saving}")
         if not 0.0 <= self.slo_repay <= 1.0:
             raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (
@@ -193,6 +210,9 @@ class SchedulerConfig:
             "calibration_buckets",
             "probe_interval_min",
             "probe_interval_max",
+            "control_min_scored",
+            "explore_observations",
+            "pad_explore_every",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -213,6 +233,7 @@ class SchedulerConfig:
             "calibration_decay",
             "cost_forget",
             "slo_headroom",
+            "control_score_ema",
             "admission_ema",
             "tokens_per_request_ema",
             "host_ema",

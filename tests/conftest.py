@@ -23,8 +23,8 @@ def pytest_configure(config) -> None:
     profile measured under the test run's load would be trusted by the next server start).
     """
     global _TEST_CACHE, REAL_CACHE
+    from adaserve.exec.checkpoint_files import cache_root
     from adaserve.exec.default_model import MODEL_NAME, default_model_dir
-    from adaserve.exec.loader import cache_root
 
     if _TEST_CACHE is not None:
         return

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from adaserve.bench.report import load_results
+
 # A point per (label, RPS): the x of a result, or None when the run has no rate.
 Point = tuple[float, dict]
 
@@ -75,8 +77,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from adaserve.bench.workload import load_results
-
     path = plot_results(load_results(args.results), args.out, args.title)
     print(f"wrote {path}")
     return 0

@@ -12,9 +12,11 @@ Definitions (the paper's, measured at the client):
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -187,3 +189,9 @@ def format_table(summaries: Sequence[dict]) -> str:
         )
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
+
+
+def load_results(path: str | Path) -> list[dict]:
+    """Every result line of a results file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

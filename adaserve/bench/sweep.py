@@ -26,6 +26,8 @@ from pathlib import Path
 
 import httpx
 
+from adaserve.args import add_serve_arguments
+from adaserve.bench.plot import plot_results
 from adaserve.bench.report import format_table
 from adaserve.bench.trace import prepare
 from adaserve.bench.workload import (
@@ -88,10 +90,8 @@ def free_port() -> int:
 
 def serve_supports(flag: str) -> bool:
     """Whether this installation's `adaserve serve` knows `flag` (e.g. --profile)."""
-    from adaserve.cli import SUBCOMMANDS
-
     probe = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    SUBCOMMANDS["serve"].add_arguments(probe)
+    add_serve_arguments(probe)
     try:
         _, unknown = probe.parse_known_args([flag, "1"])
     except argparse.ArgumentError:  # known, but "1" is no valid value of it
@@ -189,8 +189,6 @@ def run(args: argparse.Namespace) -> int:
     if results:
         print(format_table(results))
         plot = args.plot or str(Path(args.out).with_suffix(".png"))
-        from adaserve.bench.plot import plot_results
-
         print(f"wrote {plot_results(results, plot)}", file=sys.stderr)
     print(f"results appended to {args.out}; server logs in {log_dir}", file=sys.stderr)
     if failed:

@@ -14,8 +14,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from adaserve.bench.plot import plot_results
 from adaserve.bench.replay import DEFAULT_REQUEST_TIMEOUT_S, replay
-from adaserve.bench.report import RequestRecord, format_table, summarize
+from adaserve.bench.report import RequestRecord, format_table, load_results, summarize
 from adaserve.bench.trace import (
     BenchRequest,
     TraceOptions,
@@ -154,8 +155,6 @@ def finish_report(args: argparse.Namespace, results: Sequence[dict]) -> None:
         print(format_table(results))
     print(f"results appended to {args.out}", file=sys.stderr)
     if args.plot:
-        from adaserve.bench.plot import plot_results
-
         # The whole results file: runs of other servers or policies become other lines.
         print(f"wrote {plot_results(load_results(args.out), args.plot)}", file=sys.stderr)
 
@@ -252,9 +251,3 @@ def one_line(result: dict) -> str:
         f"{'-' if att is None else f'{100 * att:.1f}%'}, goodput "
         f"{'-' if good is None else f'{good:.1f}'} tok/s"
     )
-
-
-def load_results(path: str | Path) -> list[dict]:
-    """Every result line of a results file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]

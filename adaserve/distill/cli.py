@@ -217,7 +217,8 @@ def run(a: argparse.Namespace) -> int:
     from adaserve.distill.data import GenerateConfig, generate_shards, load_sequences
     from adaserve.distill.evaluate import speculation_stats, top1_agreement
     from adaserve.distill.train import TrainConfig, train
-    from adaserve.exec.loader import cache_root, resolve_model_path
+    from adaserve.exec.checkpoint_files import cache_root
+    from adaserve.exec.loader import resolve_model_path
 
     target = resolve_model_path(a.target)
     work = Path(a.work_dir) if a.work_dir else cache_root() / "distill" / target.name

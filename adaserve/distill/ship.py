@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from adaserve.distill.checkpoint import TOKENIZER_FILES
-from adaserve.exec.loader import iter_safetensors, safetensor_files
+from adaserve.exec.checkpoint_files import iter_safetensors, safetensor_files
 
 SHARED = ("model.embed_tokens.weight", "lm_head.weight")
 

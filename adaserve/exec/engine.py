@@ -77,11 +77,6 @@ def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path |
     return "ggml", gguf
 
 
-# Most cells of the ggml backend's KV cache when sized from memory: llama.cpp walks every cell
-# to drop or copy a sequence, so a cache far larger than the traffic costs time each step.
-MAX_GGML_CACHE_TOKENS = 65536
-
-
 def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig) -> GgmlRunner:
     args = load_args(target_path)
     if cache_cfg.num_blocks is not None:
@@ -92,7 +87,7 @@ def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig) ->
             args.num_layers, cache_cfg.block_size, args.num_kv_heads, args.head_dim, torch.float16
         )
         blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, torch.device("cpu"))
-        tokens = min(blocks * cache_cfg.block_size, MAX_GGML_CACHE_TOKENS)
+        tokens = min(blocks * cache_cfg.block_size, cache_cfg.ggml_max_cache_tokens)
     return GgmlRunner(gguf, target_path, tokens, cache_cfg.block_size, n_batch=2048)
 
 

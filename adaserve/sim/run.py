@@ -155,7 +155,8 @@ def simulate(
         while i < len(pending) and pending[i].send_time_s <= now:
             live.append((pending[i], _add(sched, pending[i], i, rng)))
             i += 1
-        changed = sched.step()
+        plan = sched.schedule()  # the plan a real server would run, on the virtual clock
+        changed = sched.commit(plan, engine.run(plan))
         if setup.host_overhead_s and sched.last_stats is not None and sched.last_stats is not last:
             clock.advance(setup.host_overhead_s)
         if on_step is not None:

@@ -6,7 +6,8 @@ import httpx
 import pytest
 
 from adaserve.api.server import build_app
-from adaserve.cli import api_keys, main
+from adaserve.args import api_keys
+from adaserve.cli import main
 from adaserve.config import ServerConfig
 from tests.api.test_server_tiny import make_engine
 from tests.e2e.harness import ThreadServer

@@ -13,7 +13,8 @@ from adaserve.api.protocol import (
     CompletionRequest,
     describe_validation_error,
 )
-from adaserve.cli import build_parser, engine_configs
+from adaserve.args import engine_configs
+from adaserve.cli import build_parser
 from adaserve.config import parse_slo_classes
 
 BAD_COMPLETIONS = [

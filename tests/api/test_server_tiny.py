@@ -367,18 +367,17 @@ def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> Non
 
     # A decode iteration over n requests costs 50 ms + 20 ms per request.
     engine = slow_forwards(make_engine(tiny_llama, max_num_seqs=8), lambda n: 0.05 + 0.02 * n)
-    sched = engine.scheduler
-    assert sched.slo_refusal(100) is None, "alone: about 70 ms per token"
+    assert engine.admission.refusal(100) is None, "alone: about 70 ms per token"
     held = engine.add_request(PROMPT, SamplingParams(max_tokens=64, slo_tpot_ms=80))
     # A second request would make every token about 90 ms: it would break the admitted 80 ms
     # SLO, so it is refused however lenient its own SLO (or without one).
     for slo in (1000, None):
-        why = sched.slo_refusal(slo)
+        why = engine.admission.refusal(slo)
         assert why is not None and "past their slo_tpot_ms 80" in why, why
-    why = sched.slo_refusal(85)
+    why = engine.admission.refusal(85)
     assert why is not None and "slo_tpot_ms 85 cannot be met" in why, why
     engine.abort(held.request_id)
-    assert sched.slo_refusal(1000) is None, "the tight request left: room again"
+    assert engine.admission.refusal(1000) is None, "the tight request left: room again"
 
 
 def test_slo_admission_counts_what_running_iterations_really_cost(tiny_llama) -> None:
@@ -394,10 +393,10 @@ def test_slo_admission_counts_what_running_iterations_really_cost(tiny_llama) ->
     engine.add_request(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    assert sched.slo_refusal(50) is None, "decoding alone: room for a 50 ms SLO"
+    assert engine.admission.refusal(50) is None, "decoding alone: room for a 50 ms SLO"
     engine.add_request(" ".join(["t5"] * 450), SamplingParams(max_tokens=4))
     for _ in range(4):
         engine.step()
     assert sched.last_stats.prefill_tokens == 100, "the chunk rides along"
-    why = sched.slo_refusal(50)
+    why = engine.admission.refusal(50)
     assert why is not None and "slo_tpot_ms 50 cannot be met" in why, why

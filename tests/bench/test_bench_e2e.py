@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from adaserve.bench import command
-from adaserve.bench.workload import load_results
+from adaserve.bench.report import load_results
 from tests.e2e.harness import serve_subprocess
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import pytest
 
 from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
-from adaserve.request_manager.control.controller import EXPLORE_OBSERVATIONS, SpeculationController
+from adaserve.request_manager.control.controller import SpeculationController
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.tree import CandidateTree
 from tests.request_manager.test_speculative import (
@@ -102,7 +102,8 @@ def _cost(g_ms: dict[int, float]) -> ForwardCostModel:
 
 def _warm(ctl: SpeculationController) -> SpeculationController:
     """Past the exploration phase: enough depth-1 verifications seen."""
-    for _ in range(2 * EXPLORE_OBSERVATIONS):  # counts decay a little per observation
+    explore = SchedulerConfig().explore_observations
+    for _ in range(2 * explore):  # counts decay a little per observation
         ctl.calibrator.observe(1, 0.5, True)
     return ctl
 

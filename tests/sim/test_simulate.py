@@ -101,7 +101,7 @@ def test_host_overhead_is_added_per_iteration_and_seen_by_the_scheduler() -> Non
     simulate(
         bench_requests(2, 0.1),
         setup("incremental", ConstantCost(c), host_overhead_s=h),
-        on_step=lambda sched: seen.append(sched.host_s),
+        on_step=lambda sched: seen.append(sched.admission.host_s),
     )
     assert seen[-1] == pytest.approx(h), "the scheduler's own host-time estimate"
 

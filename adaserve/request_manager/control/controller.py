@@ -18,7 +18,7 @@ forward time by tokens and context, measured from the iterations the server runs
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
    decoding, so an iteration never predicts fewer tokens per second than incremental. Until
-   EXPLORE_OBSERVATIONS depth-1 nodes have been verified nothing is pruned, so a cold
+   `explore_observations` depth-1 nodes have been verified nothing is pruned, so a cold
    calibration learns what the drafter is worth instead of never trying it.
 """
 
@@ -33,17 +33,7 @@ from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.slo import TSpecEstimator
 from adaserve.tree import CandidateTree
 
-# Weight of the newest iteration in the moving averages of R and of the draft-step time.
-SCORE_EMA = 0.3
-# Drafting iterations scored before the first on/off decision (cold start trusts the prior).
-MIN_SCORED = 3
-# Pad a forward only when that is predicted this much cheaper; every PAD_EXPLORE-th time run
-# the exact size anyway to keep measuring it.
-PAD_MIN_SAVING = 0.1
-PAD_EXPLORE = 16
-# Until this many depth-1 nodes were verified, trees are not pruned: the calibration must
-# first see what the drafter is worth (its raw probabilities may be far off either way).
-EXPLORE_OBSERVATIONS = 16
+# A predicted forward is never shorter than this (a model with no data must not divide by 0).
 MIN_FORWARD_S = 1e-4
 
 
@@ -95,7 +85,8 @@ class SpeculationController:
         if self.iteration >= self.off_until:
             # A probe after an off period drafts one level: if depth 1 does not pay, no
             # deeper tree will, and a shallow probe costs one draft step, not d.
-            self.probing = self.num_scored >= MIN_SCORED and self.iteration == self.off_until
+            scored = self.num_scored >= self.cfg.control_min_scored
+            self.probing = scored and self.iteration == self.off_until
             return True
         self.num_skipped_drafts += 1
         return False
@@ -122,7 +113,7 @@ class SpeculationController:
     @property
     def exploring(self) -> bool:
         """Calibration has not yet seen enough verified nodes to be trusted."""
-        return self.calibrator.observations(1) < EXPLORE_OBSERVATIONS
+        return self.calibrator.observations(1) < self.cfg.explore_observations
 
     @property
     def drafting_on(self) -> bool:
@@ -132,11 +123,11 @@ class SpeculationController:
         """R of an iteration that drafted; turns drafting off while the average loses."""
         if not self.costly_drafter:
             return
-        w = 1.0 if self.num_scored == 0 or self.probing else SCORE_EMA
+        w = 1.0 if self.num_scored == 0 or self.probing else self.cfg.control_score_ema
         # A probe's own score decides: the average still holds the iterations that lost.
         self.score = (1 - w) * self.score + w * ratio
         self.num_scored += 1
-        if self.num_scored < MIN_SCORED:
+        if self.num_scored < self.cfg.control_min_scored:
             return
         if self.score < 1.0:
             self.off_until = self.iteration + self.probe_interval
@@ -166,7 +157,7 @@ class SpeculationController:
     def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
 
-        Only for a clear saving (PAD_MIN_SAVING), and every PAD_EXPLORE-th padded forward runs
+        Only for a clear saving (pad_min_saving), and every pad_explore_every-th padded forward runs
         unpadded instead, so the cost of the exact size is measured again and a seed that was
         too high cannot keep us padding forever. `silent` tokens (prompt chunks riding along)
         return no logits and attend `silent_pairs` keys, as the padding rows return none.
@@ -179,7 +170,7 @@ class SpeculationController:
         self.num_padded += 1
         padded_s = cost.predict(best, context, silent + best - tokens, silent_pairs)
         saving = 1.0 - padded_s / cost.predict(tokens, context, silent, silent_pairs)
-        if saving < PAD_MIN_SAVING or self.num_padded % PAD_EXPLORE == 0:
+        if saving < self.cfg.pad_min_saving or self.num_padded % self.cfg.pad_explore_every == 0:
             return tokens
         return best
 

@@ -294,7 +294,7 @@ def profile_engine(
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
     """Where the start-up profile of this (target, draft, device, dtype) is cached."""
-    from adaserve.exec.loader import cache_root
+    from adaserve.exec.checkpoint_files import cache_root
 
     dtype = (
         "gguf"
