@@ -16,6 +16,7 @@ import torch
 
 from adaserve.config import CacheConfig, ModelConfig
 from adaserve.exec.cuda_graph import DraftGraphRunner
+from adaserve.exec.default_model import default_draft_dir, default_head_dir
 from adaserve.exec.draft_vocab import draft_vocab_ids
 from adaserve.exec.ggml import GgmlRunner, ggml_available
 from adaserve.exec.kv_cache import KVCache, blocks_for_memory
@@ -141,8 +142,6 @@ class ExecutionEngine:
         self.draft_path: Path | None = None
         if model_cfg.draft_model is not None or need_draft:
             if model_cfg.draft_model is None:
-                from adaserve.exec.default_model import default_draft_dir, default_head_dir
-
                 pick = default_head_dir if need_draft == "eagle" else default_draft_dir
                 self.draft_path = pick(self.target_path)
             else:

@@ -24,7 +24,9 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
 
+from adaserve.exec.timing import NUM_SEQS
 from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.control.profile import BUDGET_CONTEXT, Profile, derive_budget
 
 BYTES_PER_PARAM = 2  # fp16 / bf16 weights and KV
 DEFAULT_EFFICIENCY = 0.7
@@ -248,8 +250,6 @@ def load_cost(
 def _one(spec: str, efficiency: float, which: str) -> CostModel:
     if spec.startswith("roofline:"):
         return parse_roofline(spec.removeprefix("roofline:"), efficiency)
-    from adaserve.request_manager.control.profile import Profile
-
     prof = Profile.load(spec)
     if which == "target":
         model = prof.forward_cost_model()
@@ -290,9 +290,6 @@ def baseline_latency_ms(cost: CostModel, batch: int = 8, prompt: int = 32) -> fl
 
 def derive_sim_budget(cost: CostModel, factor: float) -> int:
     """B by the profile's rule, on the cost model's curve (256 context, up to 8 sequences)."""
-    from adaserve.exec.timing import NUM_SEQS
-    from adaserve.request_manager.control.profile import BUDGET_CONTEXT, derive_budget
-
     counts = [2**k for k in range(0, 11)]
     latency = {n: 1000.0 * cost.curve(n, BUDGET_CONTEXT, NUM_SEQS) for n in counts}
     return derive_budget(latency, factor)

@@ -26,6 +26,7 @@ import torch
 from tqdm import tqdm
 
 from adaserve.config import SchedulerConfig
+from adaserve.exec.checkpoint_files import cache_root
 from adaserve.exec.engine import ExecutionEngine
 from adaserve.exec.timing import (
     BASELINE_BATCH,
@@ -294,8 +295,6 @@ def profile_engine(
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
     """Where the start-up profile of this (target, draft, device, dtype) is cached."""
-    from adaserve.exec.checkpoint_files import cache_root
-
     dtype = (
         "gguf"
         if getattr(engine, "backend", "torch") == "ggml"
