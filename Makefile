@@ -29,6 +29,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check adaserve tests
+	$(BIN)/python -m mypy adaserve
 
 clean:
 	rm -rf $(VENV)

@@ -109,18 +109,20 @@ def run_serve(a: argparse.Namespace) -> int:
     if acc is not None:
         acc.close()
         log.info("recorded %d verified trees to %s", acc.num_trees, acc.path)
-    cost = engine.scheduler.cost
-    if a.record_cost_model and cost is not None:
+    fitted = engine.scheduler.cost
+    if a.record_cost_model and fitted is not None:
         from adaserve.request_manager.control.profile import record_cost_model
 
-        path = record_cost_model(engine.engine, cost, engine.sched_cfg.budget, a.record_cost_model)
+        path = record_cost_model(
+            engine.engine, fitted, engine.sched_cfg.budget, a.record_cost_model
+        )
         log.info("wrote the fitted cost model to %s", path)
     controlled = engine.sched_cfg.controlled
-    if cached_profile and controlled and cost is not None and cost.num_observations > 0:
+    if cached_profile and controlled and fitted is not None and fitted.num_observations > 0:
         # What the server measured while it ran is a better start for the next one.
         from adaserve.request_manager.control.profile import refresh_startup_profile
 
-        refresh_startup_profile(engine.engine, cost)
+        refresh_startup_profile(engine.engine, fitted)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields, replace
+from typing import Any, cast
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.engine import ExecutionEngine
@@ -129,7 +130,7 @@ class LLM:
         policy: str = "incremental",
         **kwargs,
     ) -> None:
-        groups = {
+        groups: dict[type, dict[str, Any]] = {
             ModelConfig: {"model": model, "draft_model": draft_model},
             CacheConfig: {},
             SchedulerConfig: {"policy": policy},
@@ -151,21 +152,24 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[int] | Sequence[str] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+
+        One prompt (a string or a token-id list) may be passed on its own."""
+        one = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        # (The element check above is what tells one prompt from many; mypy cannot follow it.)
+        batch = cast("Sequence[str | Sequence[int]]", [prompts] if one else prompts)
         params = sampling_params or SamplingParams()
-        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"got {len(plist)} sampling params for {len(prompts)} prompts")
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(batch)
+        if len(plist) != len(batch):
+            raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
         eng = self.llm_engine
         now = eng.engine.clock()
         reqs: list[Request] = []
         try:
-            for p, sp in zip(prompts, plist):
+            for p, sp in zip(batch, plist):
                 reqs.append(eng.add_request(p, sp, arrival_time=now))
         except Exception:
             for r in reqs:  # all or nothing: a bad prompt leaves no half-queued batch behind

@@ -289,7 +289,7 @@ class AsyncEngine:
         if stats is not None and stats is not self._last_stats:
             self._last_stats = stats
             self.metrics.observe_iteration(stats)
-        pending = []
+        pending: list[tuple[RequestStream, StreamItem]] = []
         for out in outs:
             stream = self._streams.get(out.request_id)
             if out.finished:

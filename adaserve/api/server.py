@@ -252,7 +252,8 @@ def make_server(
         log_level=log_level,
         # uvicorn cuts connections only after the drain has aborted what still ran and the
         # final chunks went out.
-        timeout_graceful_shutdown=None if shutdown_timeout_s is None else shutdown_timeout_s + 5,
+        # (uvicorn annotates an int but hands it to asyncio.wait_for, which takes a float.)
+        timeout_graceful_shutdown=None if shutdown_timeout_s is None else shutdown_timeout_s + 5,  # type: ignore[arg-type]
         access_log=False,
     )
     return _GracefulServer(config, app.state.serving, shutdown_timeout_s)

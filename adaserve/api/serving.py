@@ -286,7 +286,7 @@ class _Reply:
 
     def usage_chunk(self, d: Delta) -> BaseModel:
         assert d.summary is not None
-        kw = dict(
+        kw: dict[str, Any] = dict(
             id=self.id,
             created=self.created,
             model=self.model,
@@ -304,7 +304,7 @@ class _Reply:
             )
         ids = list(d.full_token_ids) if self.want_ids else None
         prompt_ids = self.prompt_token_ids if self.want_ids else None
-        kw = dict(
+        kw: dict[str, Any] = dict(
             id=self.id,
             created=self.created,
             model=self.model,

@@ -104,6 +104,7 @@ def main() -> None:
     import llama_cpp
 
     from adaserve.exec.default_model import default_gguf_file
+    from adaserve.exec.ggml import GgmlRunner
     from adaserve.exec.timing import time_forward
 
     top = max(args.concurrency + args.spec_concurrency + args.torch_concurrency)
@@ -123,7 +124,9 @@ def main() -> None:
         run(engine, prompts(2), 4, [None])  # warm-up
         engines[label] = (engine, set(points))
     ggml_engine = engines["ggml incremental"][0]
-    threads = ggml_engine.engine.target.llama.threads
+    ggml_target = ggml_engine.engine.target
+    assert isinstance(ggml_target, GgmlRunner)  # the engine was built with backend="ggml"
+    threads = ggml_target.llama.threads
     ref = llama_cpp.Llama(
         str(default_gguf_file()),
         n_ctx=2048,

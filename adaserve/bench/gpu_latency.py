@@ -28,6 +28,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ from adaserve.request_manager.control.profile import (
     derive_budget,
 )
 
-_BASE = dict(
+# Fields every model below shares.
+_BASE: dict[str, Any] = dict(
     architecture="LlamaForCausalLM",
     rms_norm_eps=1e-5,
     rope_scaling=None,

@@ -56,6 +56,7 @@ def run_in_process(llm: LLM, clients: int, rounds: int, max_tokens: int) -> Resu
     start = time.monotonic()
     for r in range(rounds):
         for out in llm.generate(prompts(clients * (r + 1))[clients * r :], params):
+            assert out.metrics.ttft_s is not None  # a finished request has had a first token
             ttft.append(out.metrics.ttft_s)
             tokens += len(out.outputs[0].token_ids)
     return Result("LLM.generate", clients, clients * rounds, tokens, time.monotonic() - start, ttft)

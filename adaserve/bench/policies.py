@@ -13,15 +13,17 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from adaserve import LLMEngine, SamplingParams
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.torch_runner import ModelRunner
 
 # (label, SchedulerConfig overrides)
-CONFIGS = [
+CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("incremental", {"policy": "incremental"}),
     ("sequence γ=2", {"policy": "sequence", "gamma": 2}),
     ("sequence γ=4", {"policy": "sequence", "gamma": 4}),
@@ -74,7 +76,7 @@ def run(engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float |
         1000 * sum(s.draft_s for s in decode) / n,
         1000 * sum(s.select_s for s in decode) / n,
         1000 * sum(s.verify_s for s in decode) / n,
-        sum(m.slo_attained for m in with_slo) / max(1, len(with_slo)),
+        sum(bool(m.slo_attained) for m in with_slo) / max(1, len(with_slo)),
     )
 
 
@@ -135,9 +137,11 @@ def main() -> None:
             CacheConfig(),
             SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
         )
-        if args.quantize_draft and engine.engine.draft is not None:
+        draft = engine.engine.draft
+        if args.quantize_draft and draft is not None:
+            assert isinstance(draft, ModelRunner), "--quantize-draft needs a torch draft model"
             torch.ao.quantization.quantize_dynamic(
-                engine.engine.draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+                draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
             )
             engine.apply_profile(args.budget, engine.sched_cfg.t_spec_init_s)  # re-measure costs
         run(engine, prompts(2), 4, slos)  # warm-up

@@ -11,7 +11,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 import torch
 from safetensors.torch import save_file
@@ -101,7 +101,8 @@ def load_checkpoint(
 def save_draft(model: nn.Module, target_dir: Path, out_dir: Path, meta: dict) -> Path:
     """Write `model` as a bf16 HF checkpoint dir with the target's tokenizer files."""
     config = json.loads((Path(target_dir) / "config.json").read_text())
-    config["num_hidden_layers"] = model.config.num_hidden_layers
+    hf_config: Any = model.config  # a transformers config: its fields are not typed
+    config["num_hidden_layers"] = hf_config.num_hidden_layers
     config["torch_dtype"] = "bfloat16"
     tied = bool(config.get("tie_word_embeddings", False))
     tensors = {

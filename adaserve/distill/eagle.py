@@ -113,7 +113,7 @@ def causal_hidden(model: LlamaForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     b, t = ids.shape
     attn = _DenseAttention(b, t)
     pos = torch.arange(t).repeat(b)
-    return model(ids.reshape(-1), pos, attn).view(b, t, -1)  # type: ignore[arg-type]
+    return model(ids.reshape(-1), pos, attn).view(b, t, -1)
 
 
 def load_or_compute_features(
@@ -212,7 +212,7 @@ def unrolled_outputs(
     outs = []
     for _ in range(steps):
         attn.next_step()
-        o = head(tokens, pos, attn, feat_in.reshape(b * rows, -1)).view(b, rows, -1)  # type: ignore[arg-type]
+        o = head(tokens, pos, attn, feat_in.reshape(b * rows, -1)).view(b, rows, -1)
         outs.append(o)
         # Step s+1's row t reads step s's output at row t-1 (its predicted f_t).
         feat_in = torch.cat([torch.zeros_like(o[:, :1]), o[:, :-1]], dim=1)
@@ -330,7 +330,7 @@ def train_eagle(
         progress,
     )
     result = EagleResult(step=run.step, total_steps=total, finished=False, history=run.history)
-    order = EpochOrder(data, cfg)  # type: ignore[arg-type]
+    order = EpochOrder(data, cfg)
     while not run.finished:
         t0 = time.monotonic()
         # The noise draw of step k is a function of (seed, k): a resumed run repeats it.

@@ -23,7 +23,7 @@ def load_causal_lm(
     """A Hugging Face *ForCausalLM in eval mode (training-side view of a checkpoint dir)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model: nn.Module = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
     return model.to(device).eval()
 
 
@@ -54,8 +54,9 @@ def pad_batch(
 
 def logits_at(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Logits [N, vocab] at the N masked positions only (no LM-head work on padding)."""
-    hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, H]
-    return model.lm_head(hidden[mask])
+    body, lm_head = model.get_submodule("model"), model.get_submodule("lm_head")
+    hidden = body(input_ids=ids, use_cache=False).last_hidden_state  # [B, T, H]
+    return lm_head(hidden[mask])
 
 
 @torch.no_grad()

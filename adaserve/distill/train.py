@@ -17,6 +17,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -93,22 +94,24 @@ def build_draft(target: nn.Module, cfg: TrainConfig) -> nn.Module:
     """A `cfg.num_layers` copy of the target's architecture, initialised from the target."""
     from transformers import AutoModelForCausalLM
 
-    n_target = target.config.num_hidden_layers
+    # A transformers *ForCausalLM: its config and submodules are attributes mypy cannot see.
+    hf: Any = target
+    n_target = hf.config.num_hidden_layers
     init = cfg.init_layers
     if init is None:
         init = default_init_layers(n_target, cfg.num_layers)
     if any(not 0 <= i < n_target for i in init):
         raise ValueError(f"init_layers {init} out of range: the target has {n_target} layers")
-    config = replace_config(target.config, num_hidden_layers=cfg.num_layers)
+    config = replace_config(hf.config, num_hidden_layers=cfg.num_layers)
     torch.manual_seed(cfg.seed)
     draft = AutoModelForCausalLM.from_config(config).to(torch.float32)
     with torch.no_grad():
-        draft.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
-        draft.model.norm.load_state_dict(target.model.norm.state_dict())
+        draft.model.embed_tokens.weight.copy_(hf.model.embed_tokens.weight)
+        draft.model.norm.load_state_dict(hf.model.norm.state_dict())
         if not config.tie_word_embeddings:
-            draft.lm_head.weight.copy_(target.lm_head.weight)
+            draft.lm_head.weight.copy_(hf.lm_head.weight)
         for mine, theirs in zip(draft.model.layers, init):
-            mine.load_state_dict(target.model.layers[theirs].state_dict())
+            mine.load_state_dict(hf.model.layers[theirs].state_dict())
     if cfg.freeze_embeddings:
         draft.model.embed_tokens.weight.requires_grad_(False)
         draft.lm_head.weight.requires_grad_(False)
@@ -156,10 +159,23 @@ def lr_factor(step: int, total: int, warmup: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+class OrderConfig(Protocol):
+    """What EpochOrder reads of a run's config (TrainConfig, or eagle.py's EagleConfig)."""
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def max_len(self) -> int: ...
+
+    @property
+    def seed(self) -> int: ...
+
+
 class EpochOrder:
     """Micro-batch `m` of the run (over all epochs) as sequence indices; keeps one epoch."""
 
-    def __init__(self, data: Sequences, cfg: TrainConfig) -> None:
+    def __init__(self, data: Sequences, cfg: OrderConfig) -> None:
         self.lengths = [min(len(t), cfg.max_len) for t in data.tokens]
         self.cfg, self.per_epoch = cfg, math.ceil(len(data) / cfg.batch_size)
         self.epoch, self.batches = -1, [[0]]

@@ -124,7 +124,8 @@ class DraftGraphRunner:
         blocks = -(-max_width // runner.cache.block_size)
         self._dummy_table = runner.cache.allocator.allocate(blocks)
         self._graphs: dict[tuple[int, int], _Graph] = {}
-        self._pool: tuple[int, int] | None = None  # one memory pool shared by every graph
+        # One memory pool shared by every graph (torch's NewType of a (int, int) handle).
+        self._pool: torch.cuda._POOL_HANDLE | None = None
 
     def covers(self, batch: ForwardBatch) -> bool:
         """Whether `batch` is a step batch this runner can replay."""

@@ -104,6 +104,7 @@ def _build_head_runner(
         head = load_eagle_head(path, load_embedding_and_head(target.checkpoint))
     a = head.args
     ref = head.embed_weight
+    assert ref is not None  # load_eagle_head attaches the head to the target's embedding
     cache = KVCache(
         1, num_blocks, cache_cfg.block_size, a.num_kv_heads, a.head_dim, ref.dtype, ref.device
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
@@ -94,6 +95,28 @@ def blocks_for_memory(bytes_per_block: int, fraction: float, device: torch.devic
     else:
         budget = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * fraction
     return max(1, int(budget // bytes_per_block))
+
+
+class KVCacheLike(Protocol):
+    """What the request manager uses of a runner's KV cache: `KVCache` (torch, sim) or
+    `GgmlKVCache` (llama.cpp). Block tables in, KV slots out."""
+
+    block_size: int
+    device: torch.device
+    allocator: BlockAllocator
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int: ...
+
+    def reserve(self, block_table: list[int], num_tokens: int) -> None: ...
+
+    def truncate(self, block_table: list[int], num_tokens: int) -> None: ...
+
+    def release(self, block_table: list[int]) -> None: ...
+
+    def keep_subset(self, block_table: list[int], start: int, keep: list[int]) -> None: ...
 
 
 class KVCache:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from adaserve.exec.kv_cache import KVCache
+from adaserve.exec.kv_cache import KVCacheLike
 
 Key = tuple[int, tuple[int, ...]]
 
@@ -24,7 +24,7 @@ Key = tuple[int, tuple[int, ...]]
 class PrefixCache:
     """Content keys of full blocks of one KV cache, and the hit statistics."""
 
-    def __init__(self, cache: KVCache) -> None:
+    def __init__(self, cache: KVCacheLike) -> None:
         self.cache = cache
         self.block_size = cache.block_size
         self._block_of: dict[Key, int] = {}

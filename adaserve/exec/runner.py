@@ -16,6 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from adaserve.exec.batch import ForwardBatch
+from adaserve.exec.kv_cache import KVCacheLike
 from adaserve.exec.model.llama import LlamaArgs
 from adaserve.exec.prefix_cache import PrefixCache
 
@@ -24,7 +25,6 @@ from adaserve.exec.prefix_cache import PrefixCache
 class Runner(Protocol):
     """One model with its KV cache: forward over a batch -> logits (and features)."""
 
-    cache: object  # KVCache (torch, sim) or GgmlKVCache: block tables in, KV slots out
     device: torch.device
     # forward(pad_to=...) runs extra throw-away rows (the controller pads when that is cheaper)
     supports_padding: bool
@@ -35,6 +35,11 @@ class Runner(Protocol):
     last_hidden: torch.Tensor | None
     # The checkpoint directory its config (and tokenizer) came from; None: not from one.
     checkpoint: Path | None
+
+    @property
+    def cache(self) -> KVCacheLike:
+        """KVCache (torch, sim) or GgmlKVCache: block tables in, KV slots out."""
+        ...
 
     @property
     def args(self) -> LlamaArgs:
@@ -101,8 +106,6 @@ def run_plan(
 class Engine(Protocol):
     """What the scheduler uses of an engine: the real `ExecutionEngine` or the simulator's."""
 
-    target: Runner
-    draft: Runner | None
     tokenizer: Any
     max_model_len: int
     vocab_size: int
@@ -110,6 +113,13 @@ class Engine(Protocol):
     draft_prefix: PrefixCache | None
     cuda_graphs: bool
     draft_graphs: Any  # DraftGraphRunner | None (CUDA only)
+
+    # Read-only here, so an engine may hold a narrower runner type (the simulator's SimRunner).
+    @property
+    def target(self) -> Runner: ...
+
+    @property
+    def draft(self) -> Runner | None: ...
 
     def clock(self) -> float: ...
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import random
 import time
+from pathlib import Path
 
 import torch
 
@@ -78,8 +79,8 @@ class SimRunner:
 
     needs_context = False
     capture_hidden = False
-    last_hidden = None
-    checkpoint = None
+    last_hidden: torch.Tensor | None = None
+    checkpoint: Path | None = None
     head_token_ids = None
 
     def __init__(

@@ -96,7 +96,8 @@ def test_greedy_output_equals_incremental(pair, policy, draft_kind):
     decode = [s for s in stats if s.kind == "decode"]
     accepted = sum(s.accepted_tokens for s in decode)
     # Controlled adaserve may rightly stop drafting here: on a tiny model a draft step costs as
-    # much as a verify forward (tests/request_manager/control/test_controller.py shows when it stays on).
+    # much as a verify forward (tests/request_manager/control/test_controller.py shows when it
+    # stays on).
     if draft_kind == "copy" and policy != "adaserve":
         # A draft identical to the target must get many tokens accepted, or the test proves little.
         assert accepted / sum(s.num_requests for s in decode) > 0.5, (

@@ -46,6 +46,7 @@ class EagleHead(nn.Module):
 
     # The runner feeds `features` with every forward (ForwardBatch.features).
     needs_features = True
+    inv_freq: torch.Tensor  # a registered buffer (register_buffer), declared for type checkers
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -72,8 +73,7 @@ class EagleHead(nn.Module):
             )
         # Plain tensors (detached views): not registered, not saved, never trained here.
         self.embed_weight = target.embed_tokens.weight.detach()
-        tied = target.lm_head is None
-        lm = target.embed_tokens.weight if tied else target.lm_head.weight
+        lm = target.embed_tokens.weight if target.lm_head is None else target.lm_head.weight
         self.lm_weight = lm.detach()
         self.restrict_head(self.head_token_ids)
 
@@ -240,7 +240,9 @@ def head_from_target(target: LlamaForCausalLM, init_layer: int | None = None) ->
         head.fc.weight.zero_()
         head.fc.weight[:, h:].copy_(torch.eye(h))
         head.fc.bias.zero_()
-        head.layers[0].self_attn.o_proj.weight.zero_()
-        head.layers[0].mlp.down_proj.weight.zero_()
+        layer = head.layers[0]
+        assert isinstance(layer, DecoderLayer)  # built as one in EagleHead.__init__
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
     head.attach(target)
     return head

@@ -199,6 +199,8 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Decoder + LM head. `forward` returns final hidden states; `compute_logits` the logits."""
 
+    inv_freq: torch.Tensor  # a registered buffer (register_buffer), declared for type checkers
+
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.args = args

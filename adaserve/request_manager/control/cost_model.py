@@ -293,10 +293,10 @@ class ForwardCostModel:
         adjusted = {}
         for k in self._knots:
             m = self._stats[k]
-            one, x = m[_ONE], m[_X]
+            one, mx = m[_ONE], m[_X]
             y = one[_Y] + b * one[_Z] - e * one[_U]
-            xy = x[_Y] + b * x[_Z] - e * x[_U]
-            adjusted[k] = (one[_ONE], one[_X], x[_X], y, xy)
+            xy = mx[_Y] + b * mx[_Z] - e * mx[_U]
+            adjusted[k] = (one[_ONE], one[_X], mx[_X], y, xy)
         # First pass: each bucket's own slope (toward the stored prior) and its context spread.
         fits = {}
         for k in self._knots:

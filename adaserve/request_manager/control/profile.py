@@ -38,6 +38,7 @@ from adaserve.exec.timing import (
     time_forward,
     time_forward_samples,
 )
+from adaserve.exec.torch_runner import ModelRunner
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 
 log = logging.getLogger("adaserve.profile")
@@ -295,11 +296,12 @@ def profile_engine(
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
     """Where the start-up profile of this (target, draft, device, dtype) is cached."""
-    dtype = (
-        "gguf"
-        if getattr(engine, "backend", "torch") == "ggml"
-        else str(next(engine.target.model.parameters()).dtype).removeprefix("torch.")
-    )
+    if engine.backend == "ggml":
+        dtype = "gguf"
+    else:
+        target = engine.target
+        assert isinstance(target, ModelRunner)  # the torch backend's target
+        dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     draft = engine.draft_path.name if engine.draft_path is not None else "none"
     key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
     return cache_root() / "profiles" / f"{key}.json"

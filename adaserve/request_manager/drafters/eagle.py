@@ -80,7 +80,9 @@ class EagleDrafter(Drafter):
         builder, feats = SequenceBatchBuilder(), []
         for i in live:
             r = requests[i]
-            st, (first, rows) = self._state[r.request_id], self._catch_up_rows(r)
+            st, catch_up = self._state[r.request_id], self._catch_up_rows(r)
+            assert catch_up is not None  # `live` holds only requests with rows to catch up
+            first, rows = catch_up
             assert st.pos0 is not None
             tokens = r.all_token_ids[first + 1 : r.num_tokens]
             builder.add(

@@ -75,7 +75,9 @@ def speculate(
         r.draft_num_cached = n
     # With a reduced-vocabulary head, column j is token vocab[j] (K columns instead of V).
     vocab = draft.head_token_ids
-    logprobs = torch.log_softmax(draft.forward(builder.batch), dim=-1)  # [R, V or K]
+    logits = draft.forward(builder.batch)
+    assert logits is not None  # every row asks for logits
+    logprobs = torch.log_softmax(logits, dim=-1)  # [R, V or K]
     frontier = _grow(trees, [[0] for _ in requests], logprobs[:, None, :], shape, 0, vocab)
     scratch: list[dict[int, int]] = [{} for _ in requests]  # node -> draft KV index
     for step in range(1, shape.depth):
@@ -100,6 +102,7 @@ def speculate(
             logits = graphs.forward(builder.batch)  # [R * width, V]
         else:
             logits = draft.forward(builder.batch)  # [R * width, V]
+        assert logits is not None  # every row asks for logits
         logprobs = torch.log_softmax(logits, dim=-1).view(len(requests), width, -1)
         frontier = _grow(trees, frontier, logprobs, shape, step, vocab)
     for r in requests:
