@@ -115,6 +115,14 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
         help="append every verified tree (draft probabilities, accepted nodes) to this JSONL "
         "file: the acceptance model of `adaserve simulate --acceptance FILE`",
     )
+    p.add_argument(
+        "--record-iterations",
+        default=None,
+        metavar="FILE",
+        help="append one line per iteration (decode rows, tree and prompt tokens, predicted "
+        "and measured forward time, host time, streams behind their pace) to this JSONL file; "
+        "plot it with python -m adaserve.bench.timeline FILE",
+    )
 
 
 def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
@@ -138,6 +146,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         max_prefill_chunk=a.max_prefill_chunk,
         slo_pace_margin=a.slo_pace_margin,
         record_acceptance=a.record_acceptance,
+        record_iterations=a.record_iterations,
     )
 
 

@@ -109,6 +109,10 @@ def run_serve(a: argparse.Namespace) -> int:
     if acc is not None:
         acc.close()
         log.info("recorded %d verified trees to %s", acc.num_trees, acc.path)
+    timeline = engine.scheduler.timeline
+    if timeline is not None:
+        timeline.close()
+        log.info("recorded %d iterations to %s", timeline.lines.num_lines, timeline.path)
     fitted = engine.scheduler.cost
     if a.record_cost_model and fitted is not None:
         from adaserve.request_manager.control.profile import record_cost_model

@@ -174,6 +174,9 @@ class SchedulerConfig:
     pad_explore_every: int = 16
     # Append every verified tree to this JSONL file (the simulator's recorded acceptance).
     record_acceptance: str | None = None
+    # Append one line per iteration (what it ran, predicted and measured times) to this JSONL
+    # file: the iteration timeline (request_manager/timeline.py).
+    record_iterations: str | None = None
     # Admission (request_manager/admission.py). --admission slo admits a request while the
     # predicted TPOT is within slo_headroom of the SLO: at 10x the sustainable rate on the
     # development machine, admitted 120 ms requests ran 1-25% slower than predicted

@@ -14,49 +14,41 @@ depth and draft probability were accepted (`adaserve.sim.acceptance`).
 
 from __future__ import annotations
 
-import atexit
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from adaserve.request_manager.jsonl import JsonLines
 from adaserve.tree import CandidateTree
-
-# Lines are written in batches: a record per iteration must not cost a syscall per tree.
-FLUSH_EVERY = 256
 
 
 class AcceptanceLog:
     """Appends verified trees to a JSONL file (buffered; `close` flushes)."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a")  # noqa: SIM115 - closed by close()
-        self._pending: list[str] = []
-        self.num_trees = 0
-        atexit.register(self.close)  # a server stopped by a signal still writes its tail
+        self.lines = JsonLines(path)
+
+    @property
+    def path(self) -> Path:
+        return self.lines.path
+
+    @property
+    def num_trees(self) -> int:
+        return self.lines.num_lines
 
     def record(self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]) -> None:
         """`verified`: candidate nodes sent to the target (root included); `accepted`: kept."""
-        row = {
-            "p": tree.parents,
-            "q": [round(math.exp(lp), 4) for lp in tree.logprobs],
-            "v": sorted(v for v in verified if v != 0),
-            "a": sorted(accepted),
-        }
-        self._pending.append(json.dumps(row, separators=(",", ":")))
-        self.num_trees += 1
-        if len(self._pending) >= FLUSH_EVERY:
-            self.flush()
+        self.lines.append(
+            {
+                "p": tree.parents,
+                "q": [round(math.exp(lp), 4) for lp in tree.logprobs],
+                "v": sorted(v for v in verified if v != 0),
+                "a": sorted(accepted),
+            }
+        )
 
     def flush(self) -> None:
-        if self._pending:
-            self._file.write("\n".join(self._pending) + "\n")
-            self._file.flush()
-            self._pending.clear()
+        self.lines.flush()
 
     def close(self) -> None:
-        if not self._file.closed:
-            self.flush()
-            self._file.close()
+        self.lines.close()

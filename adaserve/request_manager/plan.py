@@ -4,13 +4,12 @@
 reserved), `ExecutionEngine.run(plan)` runs its forward, `Scheduler.commit(plan, out)` walks
 the verified trees and advances the prompts. The plan is plain data: it can be logged,
 tested and run on the simulator's clock as on a real engine, and it is what the iteration
-timeline records (`record`).
+timeline records (`timeline.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from adaserve.exec.batch import ForwardBatch
 from adaserve.request_manager.request import Request
@@ -100,22 +99,3 @@ class IterationPlan:
             cut_short=cut_short,
             idle=idle,
         )
-
-    def record(self, forward_s: float | None = None) -> dict[str, Any]:
-        """The plan as one JSON-ready line of the iteration timeline."""
-        s = self.stats
-        return {
-            "start_s": round(self.started_s, 6),
-            "decode_rows": len(self.trees),
-            "tree_tokens": sum(len(t.tree) - 1 for t in self.trees),
-            "prompt_tokens": {c.request.request_id: c.num_tokens for c in self.chunks},
-            "forward_tokens": len(self.batch.token_ids),
-            "padded_tokens": self.pad_to,
-            "budget": self.budget,
-            "predicted_forward_s": self.predicted_s,
-            "forward_s": forward_s if forward_s is not None else s.forward_s,
-            "draft_s": s.draft_s,
-            "host_s": s.host_s,
-            "accepted_tokens": s.accepted_tokens,
-            "emitted_tokens": s.emitted_tokens,
-        }

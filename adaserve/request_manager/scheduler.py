@@ -30,6 +30,7 @@ from adaserve.request_manager.prefill import chunk_tokens, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
 from adaserve.request_manager.stats import IterationStats
+from adaserve.request_manager.timeline import IterationTimeline
 from adaserve.tree import build_verify_tree, verify
 
 logger = logging.getLogger("adaserve.scheduler")
@@ -64,6 +65,10 @@ class Scheduler:
         self.acceptance_log: AcceptanceLog | None = None
         if cfg.record_acceptance is not None:
             self.acceptance_log = AcceptanceLog(cfg.record_acceptance)
+        # Set to an IterationTimeline to record every iteration (`--record-iterations`).
+        self.timeline: IterationTimeline | None = None
+        if cfg.record_iterations is not None:
+            self.timeline = IterationTimeline(cfg.record_iterations, cfg.slo_pace_margin)
         self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # admitted, prompt KV not complete yet (FIFO)
@@ -437,6 +442,8 @@ class Scheduler:
             stats.total_s,
         )
         self.last_stats = stats
+        if self.timeline is not None:
+            self.timeline.record(plan)
         self._retire_finished()
         busy = self.running or self.prefilling or self.waiting
         self.admission.busy_until = self.clock() if busy else None

@@ -87,7 +87,7 @@ class TreePlanner:
         """This iteration's tree shape; None: plain decoding (incremental, or drafting is off)."""
         shape = spec_shape(self.cfg, len(running))
         ctl = self.controller
-        if shape is not None:
+        if shape is not None and self.cfg.controlled:
             if len(running) >= self.cfg.budget:
                 return None  # the roots alone fill the budget: nothing could be verified
             context = sum(r.num_cached for r in running)

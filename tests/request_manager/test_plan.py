@@ -56,9 +56,6 @@ def test_schedule_run_commit_is_one_iteration_and_the_plan_is_what_ran(tiny_llam
             assert stats.prefill_tokens == sum(c.num_tokens for c in plan.chunks)
             assert stats.forward_s == out.forward_s
             assert {t.request.request_id for t in plan.trees} <= {r.request_id for r in changed}
-            record = plan.record()
-            assert record["decode_rows"] == len(plan.trees)
-            assert sum(record["prompt_tokens"].values()) == stats.prefill_tokens
     assert not engine.has_unfinished(), "the three calls did not finish the requests"
     assert saw_chunk and saw_tree, "the run never planned a prompt chunk or a tree"
     ref = LLM(model=str(tiny_llama)).generate(PROMPTS, params)
