@@ -4,20 +4,25 @@
 
 Every policy gets the same prompts, greedy, in the same run, taking turns at each concurrency
 (--repeats runs each, the median reported); requests carry mixed TPOT SLOs (--slos, ms;
-0 = none). The engines live through the whole run, so speculation control's calibration and
-cost model carry over from one point to the next as in a server. Prints a markdown table.
+0 = none); the time runs from submission to the last token, prefill included. By default
+(`--scenario new`) every pass runs on a fresh engine that has never seen the prompts
+(`bench/passes.py`); `--scenario repeated` keeps one engine per policy for the whole run, so
+what it learns from traffic (calibration, the cost model, a suffix index of earlier answers)
+carries over as in a server whose traffic repeats. Prints a markdown table.
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from adaserve import LLMEngine, SamplingParams
+from adaserve.bench.passes import SCENARIOS, EnginePool
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.torch_runner import ModelRunner
@@ -108,51 +113,64 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument("--slos", type=float, nargs="+", default=[150.0, 400.0, 0.0])
     ap.add_argument("--policies", nargs="+", default=None, help="labels to run (default: all)")
+    ap.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default="new",
+        help="new: a fresh engine per pass, prompts it has never seen; repeated: one engine per "
+        "policy for the whole run (traffic that repeats)",
+    )
     args = ap.parse_args()
     slos = [s or None for s in args.slos]
     print(
         f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms, "
-        f"drafter {args.drafter} {args.draft_model or ''}, backend {args.backend}\n"
+        f"drafter {args.drafter} {args.draft_model or ''}, backend {args.backend}, "
+        f"scenario {args.scenario}\n"
     )
     print(
         "| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
         "| select ms | verify ms | SLO attained |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    engines: dict[str, LLMEngine] = {}
-    for label, overrides in CONFIGS:
-        if (
-            args.policies
-            and label not in args.policies
-            and overrides["policy"] not in args.policies
-        ):
-            continue
-        engine = LLMEngine(
-            ModelConfig(
-                model=args.model,
-                draft_model=args.draft_model,
-                drafter=args.drafter,
-                backend=args.backend,
-            ),
-            CacheConfig(),
-            SchedulerConfig(budget=args.budget, max_num_seqs=max(args.concurrency), **overrides),
-        )
-        draft = engine.engine.draft
-        if args.quantize_draft and draft is not None:
-            assert isinstance(draft, ModelRunner), "--quantize-draft needs a torch draft model"
-            torch.ao.quantization.quantize_dynamic(
-                draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+
+    def factory(overrides: dict) -> Callable[[], LLMEngine]:
+        def build() -> LLMEngine:
+            engine = LLMEngine(
+                ModelConfig(
+                    model=args.model,
+                    draft_model=args.draft_model,
+                    drafter=args.drafter,
+                    backend=args.backend,
+                ),
+                CacheConfig(),
+                SchedulerConfig(
+                    budget=args.budget, max_num_seqs=max(args.concurrency), **overrides
+                ),
             )
-            engine.apply_profile(args.budget, engine.sched_cfg.t_spec_init_s)  # re-measure costs
-        run(engine, prompts(2), 4, slos)  # warm-up
-        engines[label] = engine
+            draft = engine.engine.draft
+            if args.quantize_draft and draft is not None:
+                assert isinstance(draft, ModelRunner), "--quantize-draft needs a torch draft model"
+                torch.ao.quantization.quantize_dynamic(
+                    draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+                )
+                engine.apply_profile(args.budget, engine.sched_cfg.t_spec_init_s)  # re-measure
+            return engine
+
+        return build
+
+    chosen = [
+        (label, overrides)
+        for label, overrides in CONFIGS
+        if not args.policies or label in args.policies or overrides["policy"] in args.policies
+    ]
+    pool = EnginePool(args.scenario, {label: factory(o) for label, o in chosen})
     # Policies take turns at every concurrency, `--repeats` times; the median run is reported,
     # so a disturbance of the machine hits one run of one policy, not a whole column.
     for c in args.concurrency:
-        runs: dict[str, list[Result]] = {label: [] for label in engines}
+        runs: dict[str, list[Result]] = {label: [] for label in pool.labels}
         for _ in range(args.repeats):
-            for label, engine in engines.items():
-                runs[label].append(run(engine, prompts(c), args.max_tokens, slos))
+            for label in pool.labels:
+                runs[label].append(run(pool.engine(label), prompts(c), args.max_tokens, slos))
         base = None
         for label, results in runs.items():
             r = sorted(results, key=lambda x: x.tokens_per_s)[len(results) // 2]

@@ -1,0 +1,52 @@
+"""Which engine a benchmark pass runs on: a fresh one (default) or one kept across passes.
+
+`new` (the default): every measured pass builds its engine anew and warms it up on text
+unrelated to the measured prompts, so nothing the engine learns from traffic (the suffix
+drafter's global index of finished outputs, speculation control's calibration and cost
+model, the prefix cache) has seen the prompts or their answers: what a user's new traffic
+meets. `repeated`: one engine per configuration for the whole run, prompts served again pass
+after pass, as for traffic that repeats (the suffix index then holds the answers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from adaserve import LLMEngine, SamplingParams
+
+SCENARIOS = ("new", "repeated")
+# Warm-up text: first forwards allocate and pick kernels; it shares nothing with the prompts.
+WARMUP_PROMPT = "Hello."
+
+
+def warm_up(engine: LLMEngine) -> None:
+    """Two greedy tokens on the warm-up prompt (outside the measured time)."""
+    engine.add_request(WARMUP_PROMPT, SamplingParams(max_tokens=2, temperature=0.0))
+    while engine.has_unfinished():
+        engine.step()
+
+
+class EnginePool:
+    """Engines per configuration label, built by `factories`, handed out per pass."""
+
+    def __init__(self, scenario: str, factories: dict[str, Callable[[], LLMEngine]]) -> None:
+        if scenario not in SCENARIOS:
+            raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+        self.scenario, self.factories = scenario, factories
+        self.built = {label: 0 for label in factories}
+        self._kept: dict[str, LLMEngine] = {}
+
+    @property
+    def labels(self) -> list[str]:
+        return list(self.factories)
+
+    def engine(self, label: str) -> LLMEngine:
+        """The engine of the next pass of `label`: fresh (`new`) or the kept one."""
+        if self.scenario == "repeated" and label in self._kept:
+            return self._kept[label]
+        engine = self.factories[label]()
+        warm_up(engine)
+        self.built[label] += 1
+        if self.scenario == "repeated":
+            self._kept[label] = engine
+        return engine
