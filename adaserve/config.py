@@ -99,10 +99,17 @@ class CacheConfig:
     # cell to drop or copy a sequence, so a cache far larger than the traffic costs time each
     # step.
     ggml_max_cache_tokens: int = 65536
+    # Most tokens one llama.cpp decode call takes (a bigger forward is split into calls), and
+    # most it computes at once (a micro-batch).
+    ggml_n_batch: int = 2048
+    ggml_n_ubatch: int = 512
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {self.block_size}")
+        for name in ("ggml_max_cache_tokens", "ggml_n_batch", "ggml_n_ubatch"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
         if not 0.0 < self.memory_fraction <= 0.95:

@@ -89,7 +89,14 @@ def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig) ->
         )
         blocks = blocks_for_memory(per_block, cache_cfg.memory_fraction, torch.device("cpu"))
         tokens = min(blocks * cache_cfg.block_size, cache_cfg.ggml_max_cache_tokens)
-    return GgmlRunner(gguf, target_path, tokens, cache_cfg.block_size, n_batch=2048)
+    return GgmlRunner(
+        gguf,
+        target_path,
+        tokens,
+        cache_cfg.block_size,
+        n_batch=cache_cfg.ggml_n_batch,
+        n_ubatch=cache_cfg.ggml_n_ubatch,
+    )
 
 
 def _build_head_runner(

@@ -40,8 +40,6 @@ from adaserve.exec.timing import forward_cost_points
 # llama.cpp's flash attention on the CPU skips masked cells and tiles: with many requests in
 # one shared cache every query row would otherwise pay for every request's cells.
 FLASH_ATTN_ENABLED = 1
-# Largest forward llama.cpp computes at once (tokens per micro-batch); bigger batches split.
-MAX_UBATCH = 512
 
 
 def ggml_available() -> bool:
@@ -78,7 +76,16 @@ def _quiet(lc) -> None:
 class LlamaCppContext:
     """One llama.cpp model and context: unified KV, flash attention, per-token sequence ids."""
 
-    def __init__(self, gguf: Path, n_ctx: int, n_batch: int, n_threads: int | None = None):
+    def __init__(
+        self,
+        gguf: Path,
+        n_ctx: int,
+        n_batch: int,
+        n_ubatch: int = 512,
+        n_threads: int | None = None,
+    ):
+        """`n_batch`: most tokens one decode call takes; `n_ubatch`: most llama.cpp computes at
+        once (a bigger batch runs as several micro-batches)."""
         lc = _lib()
         self.lc = lc
         _quiet(lc)
@@ -93,7 +100,7 @@ class LlamaCppContext:
         cp = lc.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
-        cp.n_ubatch = min(n_batch, MAX_UBATCH)
+        cp.n_ubatch = min(n_batch, n_ubatch)
         cp.n_seq_max = self.max_seqs
         cp.n_threads = threads
         cp.n_threads_batch = threads
@@ -409,13 +416,19 @@ class GgmlRunner:
     supports_padding = False
 
     def __init__(
-        self, gguf: Path, checkpoint: Path, cache_tokens: int, block_size: int, n_batch: int
+        self,
+        gguf: Path,
+        checkpoint: Path,
+        cache_tokens: int,
+        block_size: int,
+        n_batch: int,
+        n_ubatch: int = 512,
     ):
         """`checkpoint`: the dir converted from the GGUF file (config, tokenizer; an EAGLE head
         borrows its embedding and LM head)."""
         args = load_args(checkpoint)
         self.gguf = Path(gguf)
-        self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch)
+        self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch, n_ubatch)
         if self.llama.n_vocab != args.vocab_size:
             raise ValueError(
                 f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
