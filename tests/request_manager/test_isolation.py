@@ -53,19 +53,20 @@ def test_a_fault_in_one_request_fails_it_alone(pair, monkeypatch, stage, policy)
     if stage == "walk":  # the acceptance walk + KV keep of one request's verified tree
         real_tree = Scheduler._commit_tree
 
-        def commit_tree(self, r, *args):
+        def commit_tree(self, item, *args):  # item: the request's TreeItem in the plan
+            r = item.request
             if is_bad(r) and len(r.output_token_ids) >= 3:
                 raise RuntimeError("injected fault in the verification walk")
-            return real_tree(self, r, *args)
+            return real_tree(self, item, *args)
 
         monkeypatch.setattr(Scheduler, "_commit_tree", commit_tree)
     elif stage == "first_token":  # the end of a prefill: its first token is sampled
         real_chunk = Scheduler._commit_chunk
 
-        def commit_chunk(self, r, *args):
-            if is_bad(r):
+        def commit_chunk(self, chunk, *args):  # chunk: the request's ChunkItem in the plan
+            if is_bad(chunk.request):
                 raise FloatingPointError("injected NaN in the prompt's last logits")
-            return real_chunk(self, r, *args)
+            return real_chunk(self, chunk, *args)
 
         monkeypatch.setattr(Scheduler, "_commit_chunk", commit_chunk)
     elif stage == "commit":
