@@ -386,9 +386,12 @@ class Scheduler:
         """How far a draft model's KV catches up on this chunk (None: it does not)."""
         if self.engine.draft is None or self.engine.draft_is_head:
             return None
-        if not self.controller.drafting_on:
-            # Drafting is off (it does not pay): do not pay for draft prefill either. When it
-            # comes back on, the drafter's first step feeds every token the draft has not seen.
+        decoding = len(self.running) + len(self.prefilling)
+        context = sum(q.num_cached for q in self.running) + end
+        if not self.planner.draft_may_pay(decoding, context):
+            # Drafting is off or could not pay at this load even if the target accepted every
+            # draft token: do not pay for draft prefill either. If it comes back on, the
+            # drafter's first step feeds every token the draft has not seen.
             return None
         return end if end > r.draft_num_cached else None
 

@@ -101,6 +101,14 @@ class TreePlanner:
                 return SpecShape(depth=1, width=shape.width)
         return shape
 
+    def draft_may_pay(self, num_requests: int, context: int) -> bool:
+        """Whether a costly drafter could pay for `num_requests` decoding at `context` (False:
+        its prompt catch-up is not worth running; it catches up if drafting turns on)."""
+        shape = spec_shape(self.cfg, num_requests)
+        if shape is None:
+            return False
+        return self.controller.may_pay(num_requests, shape, context)
+
     def scratch_tokens(self, shape: SpecShape | None) -> int:
         return 0 if shape is None or self.drafter is None else self.drafter.scratch_tokens(shape)
 

@@ -91,6 +91,13 @@ class SpeculationController:
         self.num_skipped_drafts += 1
         return False
 
+    def may_pay(self, num_requests: int, shape: SpecShape, context: int) -> bool:
+        """Could drafting pay at all for this many requests (prompt catch-up asks before it
+        spends a draft prefill on a drafter that the first decode iteration would turn off)?"""
+        if not self.costly_drafter:
+            return True
+        return self.drafting_on and self.best_case_ratio(num_requests, shape, context) >= 1
+
     def best_case_ratio(self, n: int, shape: SpecShape, context: int) -> float:
         """R if every drafted token were accepted, at the best depth k <= d (chains)."""
         step_tokens = n * (shape.frontier_sizes()[0] if shape.depth else 1)
@@ -316,6 +323,9 @@ class NoControl:
         self.t_spec = TSpecEstimator(cfg.t_spec_init_s, cfg.t_spec_ema)
 
     def should_draft(self, num_requests: int, shape: SpecShape, context: int) -> bool:
+        return True
+
+    def may_pay(self, num_requests: int, shape: SpecShape, context: int) -> bool:
         return True
 
     def keep_going(self, num_requests: int, context: int) -> None:

@@ -10,6 +10,7 @@ from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.controller import SpeculationController
 from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.policies import SpecShape
 from adaserve.tree import CandidateTree
 from tests.request_manager.test_speculative import (
     PROMPTS,
@@ -187,3 +188,39 @@ def test_no_draft_prefill_while_drafting_is_off_and_output_stays_exact(pair):  #
     assert idle_prefill > 0, "no prompt was prefilled while drafting was off"
     assert [done[i] for i in ids] == ref, "skipping draft prefill changed the output"
     assert_no_blocks_held(engine)
+
+
+def test_a_draft_that_cannot_pay_at_this_load_gets_no_prompt_prefill(pair):  # noqa: F811
+    """Before any decode iteration: a draft step priced above the target's forward could not
+    pay even if every draft token were accepted, so the draft never sees the prompts."""
+    prompts, params = PROMPTS, greedy(12)
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], pair["copy"], "adaserve")
+    ctl = engine.scheduler.controller
+    forward_ms = {n: 1000 * ctl.forward_s(n, 0) for n in (1, 2, 4, 8, 16, 32)}
+    ctl.draft_cost = _cost({n: 10 * ms for n, ms in forward_ms.items()})
+    assert not ctl.may_pay(len(prompts), SpecShape(depth=4, width=1), 0)
+    draft = engine.engine.draft
+    fed: list[int] = []
+    real = draft.forward
+
+    def counting(batch, pad_to=None):
+        fed.append(len(batch.token_ids))
+        return real(batch, pad_to)
+
+    draft.forward = counting
+    got, stats = run(engine, prompts, params)
+    assert got == ref, "skipping the draft's prompt catch-up changed the output"
+    assert sum(s.prefill_tokens for s in stats) > 0
+    assert not fed, f"a draft that cannot pay was fed {sum(fed)} tokens"
+    assert_no_blocks_held(engine)
+
+
+def test_may_pay_when_a_perfect_draft_would_beat_plain_decoding():
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    target = _cost({1: 50, 2: 52, 4: 55, 8: 60, 16: 70})
+    cheap = SpeculationController(cfg, True, 16, target, _cost({1: 2, 4: 3, 16: 5}))
+    costly = SpeculationController(cfg, True, 16, target, _cost({1: 500, 4: 500, 16: 500}))
+    shape = SpecShape(depth=3, width=1)
+    assert cheap.may_pay(2, shape, 0)
+    assert not costly.may_pay(2, shape, 0)
