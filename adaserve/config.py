@@ -136,6 +136,11 @@ class SchedulerConfig:
     # that pace takes back up to slo_repay of a pace per iteration from the prompts.
     slo_pace_margin: float = 0.05
     slo_repay: float = 0.5
+    # A request that names no slo_ttft_ms gets a TTFT objective: default_ttft_floor_ms plus
+    # default_ttft_factor x the time to prefill its prompt alone (request_manager/slo.py).
+    # Chunked prefill sizes chunks to meet it; benchmarks count it in SLO attainment.
+    default_ttft_factor: float = 4.0
+    default_ttft_floor_ms: float = 1000.0
     # B: tokens verified per target forward, all requests' roots included.
     budget: int = 16
     max_depth: int = 6  # D_max
@@ -202,6 +207,9 @@ class SchedulerConfig:
             raise ValueError(f"slo_pace_margin must be in [0, 1), got {self.slo_pace_margin}")
         if not 0.0 <= self.pad_min_saving < 1.0:
             raise ValueError(f"pad_min_saving must be in [0, 1), got {self.pad_min_saving}")
+        for name in ("default_ttft_factor", "default_ttft_floor_ms"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.slo_repay <= 1.0:
             raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (

@@ -2,9 +2,11 @@
 
     adaserve bench --trace T.json [--url URL] [--rps 1,2] [--max-requests N] ... [--plot F.png]
     adaserve bench sweep --trace T.json --policies adaserve,incremental --rps 1,2 ...
+    adaserve bench compare --trace T.json --rps 0.5,1 --llama-server PATH ...
 
 Also `python -m adaserve.bench ...`. `sweep` starts one `adaserve serve` per policy itself
-(see `adaserve.bench.sweep`); without it, the server at --url is measured as it runs.
+(see `adaserve.bench.sweep`), `compare` adaserve and llama-server on the same GGUF
+(`adaserve.bench.compare`); without either, the server at --url is measured as it runs.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from adaserve.bench import sweep
+from adaserve.bench import compare, sweep
 from adaserve.bench.workload import (
     add_workload_arguments,
     finish_report,
@@ -48,12 +50,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         formatter_class=p.formatter_class,
     )
     sweep.add_arguments(sp)
+    cp = sub.add_parser(
+        "compare",
+        help="adaserve against llama-server on the same GGUF, a fresh server per point",
+        description=compare.__doc__.split("\n\n")[0] if compare.__doc__ else None,
+        formatter_class=p.formatter_class,
+    )
+    compare.add_arguments(cp)
 
 
 def run(args: argparse.Namespace) -> int:
     """Replay at each --rps (or at the trace's rate); 1 if no request completed at all."""
     if getattr(args, "bench_mode", None) == "sweep":
         return sweep.run(args)
+    if getattr(args, "bench_mode", None) == "compare":
+        return compare.run(args)
     trace = load_trace_arg(args)
     results = []
     for rps in args.rps or [None]:

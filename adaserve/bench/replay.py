@@ -138,7 +138,10 @@ async def discover_model(client: httpx.AsyncClient, url: str, headers: dict[str,
         ) from None
 
 
-def new_records(reqs: Sequence[BenchRequest]) -> list[RequestRecord]:
+def new_records(
+    reqs: Sequence[BenchRequest], prefill_ms_per_token: float | None = None
+) -> list[RequestRecord]:
+    """Empty records; `prefill_ms_per_token` (the machine's) sets default TTFT objectives."""
     return [
         RequestRecord(
             index=r.trace.index,
@@ -146,9 +149,27 @@ def new_records(reqs: Sequence[BenchRequest]) -> list[RequestRecord]:
             slo_tpot_ms=r.slo_tpot_ms,
             max_tokens=r.max_tokens,
             scheduled_s=r.send_time_s,
+            prefill_ms_per_token=prefill_ms_per_token,
         )
         for r in reqs
     ]
+
+
+async def measure_prefill_ms_per_token(
+    client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str]
+) -> float:
+    """The server's prefill speed alone: a one-token completion of `prompt`, timed end to end
+    over its prompt tokens (best of two; the first also warms the server up)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
+        r.raise_for_status()
+        elapsed_ms = 1000.0 * (time.perf_counter() - start)
+        tokens = int(r.json()["usage"]["prompt_tokens"])
+        best = min(best, elapsed_ms / max(1, tokens))
+    return best
 
 
 async def replay(
@@ -161,18 +182,26 @@ async def replay(
     progress: bool = True,
     desc: str = "replay",
     transport: httpx.AsyncBaseTransport | None = None,
+    prefill_ms_per_token: float | None = None,
+    measure_prefill: str | None = None,
 ) -> tuple[str, list[RequestRecord], dict | None]:
     """(model, one record per request in send order, server counter deltas or None).
 
+    `prefill_ms_per_token` gives the records default TTFT objectives; without it, a
+    `measure_prefill` prompt measures the speed on this server first (before the replay).
     `transport` replaces the network (tests hand in an httpx.MockTransport).
     """
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(timeout_s, connect=CONNECT_TIMEOUT_S)
-    records = new_records(reqs)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
         model = model or await discover_model(client, url, headers)
+        if prefill_ms_per_token is None and measure_prefill is not None:
+            prefill_ms_per_token = await measure_prefill_ms_per_token(
+                client, url, model, measure_prefill, headers
+            )
+        records = new_records(reqs, prefill_ms_per_token)
         before = await scrape(client, url)
         bar = tqdm(total=len(reqs), desc=desc, unit="req", disable=not progress, leave=False)
         attained = 0

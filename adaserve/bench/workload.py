@@ -92,6 +92,14 @@ def add_workload_arguments(p: argparse.ArgumentParser, simulated: bool = False) 
     if simulated:
         return
     p.add_argument(
+        "--prefill-ms-per-token",
+        type=float,
+        default=None,
+        help="the machine's prefill speed, for default TTFT objectives (floor + factor x "
+        "prompt tokens x this; docs/benchmarks.md); default: measured on the server before "
+        "each point",
+    )
+    p.add_argument(
         "--timeout",
         type=float,
         default=DEFAULT_REQUEST_TIMEOUT_S,
@@ -159,6 +167,12 @@ def finish_report(args: argparse.Namespace, results: Sequence[dict]) -> None:
         print(f"wrote {plot_results(load_results(args.out), args.plot)}", file=sys.stderr)
 
 
+def prefill_probe(trace: Sequence[TraceRequest]) -> str:
+    """A prompt to time prefill with: the trace's longest, behind a line of its own so that no
+    replayed prompt shares a prefix (and prefix-cache blocks) with it."""
+    return "Prefill speed probe.\n" + max((t.prompt for t in trace), key=len)
+
+
 def run_point(
     args: argparse.Namespace,
     url: str,
@@ -182,6 +196,8 @@ def run_point(
             timeout_s=args.timeout,
             progress=not args.no_progress,
             desc=desc,
+            prefill_ms_per_token=args.prefill_ms_per_token,
+            measure_prefill=prefill_probe(trace),
         )
     )
     label = label or model
@@ -229,6 +245,11 @@ def result_line(
             "slo_scale": opts.slo_scale,
         },
         "notes": describe_options(opts, trace),
+        # The prefill speed behind default TTFT objectives (None: TTFT not judged).
+        "prefill_ms_per_token": next(
+            (r.prefill_ms_per_token for r in records if r.prefill_ms_per_token is not None),
+            None,
+        ),
         **summarize(records),
     }
 

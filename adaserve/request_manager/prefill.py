@@ -26,8 +26,9 @@ spends at most one extra pace of banked time on any one gap (a gap stays under
 ~2x its SLO), and a request behind its pace takes time back from the prompts until it has
 caught up: a deficit is repaid, not carried to the end of the stream.
 
-TTFT deadlines (`slo_ttft_ms`) weigh in: for the first prefilling request with
-one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
+TTFT deadlines weigh in (`Request.ttft_objective_ms`: slo_ttft_ms, or the default objective
+from the prompt length that every request gets, `slo.ttft_objective_ms`): for the first
+prefilling request with one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
 ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to c_ttft
 (capped); a deadline no chunk can meet any more does not (a first token already late does
 not outrank TPOTs).
@@ -155,7 +156,7 @@ def chunk_tokens(
     ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
-        ttft_ms = r.params.slo_ttft_ms
+        ttft_ms = r.ttft_objective_ms
         if ttft_ms is not None:
             left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
             needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap, cached)

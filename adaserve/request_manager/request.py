@@ -152,6 +152,9 @@ class Request:
             slo_tpot_ms=params.slo_tpot_ms,
             slo_ttft_ms=params.slo_ttft_ms,
         )
+        # The first token's objective (ms from arrival): slo_ttft_ms, else the scheduler's
+        # default from the prompt length (`slo.ttft_objective_ms`); chunked prefill meets it.
+        self.ttft_objective_ms: float | None = params.slo_ttft_ms
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0

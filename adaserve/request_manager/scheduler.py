@@ -28,6 +28,7 @@ from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.prefill import chunk_tokens, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
+from adaserve.request_manager.slo import ttft_objective_ms
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
 from adaserve.request_manager.stats import IterationStats
 from adaserve.request_manager.timeline import IterationTimeline
@@ -114,6 +115,12 @@ class Scheduler:
             raise ValueError(
                 f"prompt token ids {bad[:3]} are outside the vocabulary "
                 f"[0, {self.engine.vocab_size})"
+            )
+        if req.ttft_objective_ms is None and self.cost is not None:
+            n = len(req.prompt_token_ids)
+            alone_s = self.cost.predict(n, 0, n, n * (n + 1) // 2)
+            req.ttft_objective_ms = ttft_objective_ms(
+                1000.0 * alone_s, self.cfg.default_ttft_factor, self.cfg.default_ttft_floor_ms
             )
         self.waiting.append(req)
 

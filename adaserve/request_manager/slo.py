@@ -4,8 +4,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from adaserve.config import SchedulerConfig
 from adaserve.request_manager.request import Request
 from adaserve.tree import required_accepts
+
+
+def ttft_objective_ms(
+    prefill_alone_ms: float,
+    factor: float = SchedulerConfig.default_ttft_factor,
+    floor_ms: float = SchedulerConfig.default_ttft_floor_ms,
+) -> float:
+    """The TTFT objective of a request that names none: `floor_ms` plus `factor` x the time to
+    prefill its prompt alone on this machine (a user waits longer for a longer prompt, but a
+    first token seconds late is lost to them whatever its TPOT)."""
+    return floor_ms + factor * prefill_alone_ms
 
 
 class TSpecEstimator:

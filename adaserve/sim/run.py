@@ -218,6 +218,8 @@ def _record(b: BenchRequest, r: Request) -> RequestRecord:
         finish_reason=r.finish_reason,
         error=None if r.finished else "not finished",
         prompt_tokens=len(r.prompt_token_ids),
+        # The objective the simulated server scheduled for (its default from the prompt).
+        slo_ttft_ms=r.ttft_objective_ms,
     )
 
 

@@ -95,3 +95,77 @@ def test_sweep_runs_every_policy_at_every_rate(tiny_llama: Path, tmp_path: Path,
     table = capsys.readouterr().out
     assert "| incremental | 5.00 |" in table and "| sequence | 20.00 |" in table, table
     assert (tmp_path / "sweep.png").exists(), "the sweep draws its plot by default"
+
+
+def test_compare_calibrates_slos_then_runs_a_fresh_server_per_point(
+    tiny_llama: Path, tmp_path: Path, capsys
+) -> None:
+    """Without llama-server among the systems the first system is measured; every point
+    (system x rate) gets its own server, and every record is judged on TTFT too."""
+    trace = tmp_path / "trace.json"
+    entries = [
+        {"emission_time_ms": 100.0 * i, "prompt": f"t{i} t6 t7 t8", "output_length": 6}
+        | {"slo_ratio": -50.0 if i % 2 else 2.0}
+        for i in range(3)
+    ]
+    trace.write_text(json.dumps(entries))
+    out, logs = tmp_path / "compare.jsonl", tmp_path / "logs"
+    rc = command.main(
+        ["compare", "--model", str(tiny_llama), "--systems", "incremental,adaserve"]
+        + ["--rps", "5,20", "--trace", str(trace), "--calibration-requests", "2"]
+        + ["--server-args", "--num-blocks 64 --max-model-len 256"]
+        + ["--out", str(out), "--server-log-dir", str(logs), "--no-progress"]
+    )
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    results = load_results(out)
+    assert [(r["label"], r["rps"]) for r in results] == [
+        ("incremental", 5.0),
+        ("adaserve", 5.0),
+        ("incremental", 20.0),
+        ("adaserve", 20.0),
+    ]
+    assert len(list(logs.glob("*-rps*.log"))) == 4, "one fresh server per point"
+    assert (logs / "calibration.log").exists(), "the SLOs were not calibrated on a server"
+    baseline = results[0]["slo_baseline_ms"]
+    assert all(r["slo_baseline_ms"] == baseline for r in results), "one scale for every system"
+    assert results[0]["options"]["slo_scale"] == pytest.approx(baseline / 30.0)
+    requests = load_results(tmp_path / "compare.requests.jsonl")
+    for r in results:
+        check_result(r, requests, 3, 6)
+        assert r["prefill_ms_per_token"] > 0 and r["ttft_judged"] == 3
+    for q in requests:
+        expected = 1000.0 + 4.0 * q["prompt_tokens"] * q["prefill_ms_per_token"]
+        assert q["ttft_objective_ms"] == pytest.approx(expected)
+        assert q["slo_attained"] == (q["tpot_attained"] and q["ttft_ms"] <= expected)
+    assert (tmp_path / "compare.png").exists()
+
+
+def test_compare_names_what_is_missing_without_a_llama_server(tmp_path: Path, capsys) -> None:
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps([{"emission_time_ms": 0, "prompt": "a", "output_length": 2, "slo_ratio": 0}]))
+    rc = command.main(
+        ["compare", "--trace", str(trace), "--systems", "llama-server", "--llama-server", ""]
+    )
+    assert rc == 2 and "--llama-server PATH" in capsys.readouterr().err
+
+
+def test_llama_server_runs_the_same_gguf_with_its_slots_and_ngram_flags() -> None:
+    from adaserve.bench.compare import system_command
+
+    args = command_args(["compare", "--model", "m.gguf", "--llama-server", "/bin/ls"])
+    plain = system_command(args, "llama-server", 8100)
+    assert plain[:3] == ["/bin/ls", "-m", "m.gguf"] and "--spec-type" not in plain
+    assert plain[plain.index("-np") + 1] == "16" and plain[plain.index("--port") + 1] == "8100"
+    ngram = system_command(args, "llama-server-ngram", 8101)
+    assert ngram[-2:] == ["--spec-type", "ngram-simple"]
+    ada = system_command(args, "incremental", 8102)
+    assert "m.gguf" in ada and ada[ada.index("--policy") + 1] == "incremental"
+
+
+def command_args(argv: list[str]):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    command.add_arguments(p)
+    return p.parse_args(argv)

@@ -58,6 +58,9 @@ class ScriptedServer:
             return httpx.Response(200, text=self.metrics.pop(0))
         body = json.loads(request.content)
         self.bodies.append(body)
+        if not body.get("stream"):  # the prefill-speed probe: one token, 50 prompt tokens
+            await asyncio.sleep(0.05)
+            return httpx.Response(200, json={"usage": {"prompt_tokens": 50}})
         if body["prompt"] == "full":
             return httpx.Response(429, json={"error": {"message": "the waiting queue is full"}})
         return httpx.Response(200, content=sse(body["prompt"]))
@@ -129,3 +132,22 @@ def test_counters_are_the_difference_over_the_replay() -> None:
     assert counters["mean_accepted_tokens_per_iteration"] == pytest.approx(3.0)
     assert counters["mean_accepted_tokens_per_request_step"] == pytest.approx(1.5)
     assert counters["acceptance_rate"] == pytest.approx(0.5)
+
+
+def test_the_prefill_probe_sets_every_records_ttft_objective() -> None:
+    server = ScriptedServer()
+    transport = httpx.MockTransport(server)
+    reqs = [bench_request(0, "plain", 0.0)]
+    _, records, _ = asyncio.run(
+        replay("http://x", reqs, progress=False, transport=transport, measure_prefill="probe")
+    )
+    probes = [b for b in server.bodies if b["prompt"] == "probe"]
+    assert len(probes) == 2 and all(b["max_tokens"] == 1 for b in probes)
+    speed = records[0].prefill_ms_per_token
+    assert speed is not None and 1.0 <= speed < 10.0, f"50 ms over 50 tokens measured {speed}"
+    # prompt_tokens 2 (usage): objective = floor + factor x 2 x speed
+    assert records[0].ttft_objective_ms == pytest.approx(1000.0 + 4.0 * 2 * speed)
+    _, given, _ = asyncio.run(
+        replay("http://x", reqs, progress=False, transport=transport, prefill_ms_per_token=3.0)
+    )
+    assert given[0].prefill_ms_per_token == 3.0, "a given speed is used, not measured"

@@ -117,3 +117,25 @@ def test_refused_requests_are_counted_apart_from_the_admitted() -> None:
     assert s["refused"] == 2
     assert s["slo_attainment"] == pytest.approx(1 / 5)
     assert s["admitted_slo_attainment"] == pytest.approx(1 / 3), "a timeout is no refusal"
+
+
+def test_attainment_counts_the_first_token_against_its_objective() -> None:
+    """TPOT met in every case; TTFT decides. Objective: floor 1000 ms + 4 x prompt x 2 ms."""
+
+    def with_ttft(sent: float, first: float, prompt: int, own: float | None = None):
+        r = rec(0, "abs=50ms", 50.0, sent, first, first + 0.04 * 10, 11)
+        r.prompt_tokens, r.prefill_ms_per_token, r.slo_ttft_ms = prompt, 2.0, own
+        return r
+
+    fast = with_ttft(0.0, 0.5, 100)  # objective 1000 + 800 = 1800 ms, TTFT 500 ms: met
+    late = with_ttft(0.0, 2.0, 100)  # TTFT 2000 ms > 1800 ms: the stream is lost
+    long = with_ttft(0.0, 2.0, 500)  # objective 1000 + 4000 ms: a long prompt may take longer
+    own = with_ttft(0.0, 0.5, 500, own=400.0)  # its own slo_ttft_ms 400 ms beats the default
+    assert [r.ttft_objective_ms for r in (fast, late, long, own)] == [1800, 1800, 5000, 400]
+    s = summarize([fast, late, long, own])
+    assert [r.slo_attained for r in (fast, late, long, own)] == [True, False, True, False]
+    assert s["slo_attainment"] == pytest.approx(0.5), "joint attainment counts the first token"
+    assert s["tpot_slo_attainment"] == pytest.approx(1.0), "the TPOT-only figure ignores it"
+    assert s["ttft_judged"] == 4
+    unjudged = rec(1, "abs=50ms", 50.0, 0.0, 9.0, 9.4, 11)  # no prefill speed known
+    assert unjudged.ttft_objective_ms is None and unjudged.slo_attained

@@ -1,0 +1,238 @@
+"""`adaserve bench compare`: adaserve against llama.cpp's own server, same GGUF, same machine.
+
+    adaserve bench compare --trace T.json --rps 0.5,1 --max-requests 48 --output-length 64 \
+        --llama-server /path/to/llama-server [--systems adaserve,incremental,llama-server,...]
+
+Systems (--systems, comma list):
+  adaserve            `adaserve serve` as a user starts it (default policy and drafter)
+  incremental         `adaserve serve --policy incremental` (no speculation)
+  llama-server        llama-server with 16 slots (-np 16), the same threads, flash attention
+  llama-server-ngram  the same with its n-gram speculation (--spec-type ngram-simple)
+
+Every point (system x rate) runs on a fresh server: started, warmed up with one short
+request, replayed, stopped. SLOs are scaled to this machine before the first point: one
+llama-server measures the single-stream TPOT t1 (--calibration-requests requests, one at a
+time) and the prefill speed; the trace's relative SLOs use baseline latency
+--slo-factor x t1 (or --baseline-latency-ms), its absolute ones are multiplied by
+baseline / 30 ms (they were set for a server whose baseline is 30 ms; or --slo-scale), and
+every request gets the default TTFT objective from its prompt length and the measured
+prefill speed (or --prefill-ms-per-token; docs/benchmarks.md). The same numbers go
+to every system. Results append to --out (one line per point, labelled by system), then the
+table and a plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+from adaserve.bench.plot import plot_results
+from adaserve.bench.replay import measure_prefill_ms_per_token
+from adaserve.bench.report import format_table
+from adaserve.bench.sweep import DEFAULT_STARTUP_TIMEOUT_S, free_port, running_server, warm_up
+from adaserve.bench.trace import TraceRequest
+from adaserve.bench.workload import (
+    add_workload_arguments,
+    load_trace_arg,
+    one_line,
+    prefill_probe,
+    prepare_point,
+    run_point,
+)
+
+SYSTEMS = ("adaserve", "incremental", "llama-server", "llama-server-ngram")
+# Absolute SLOs in the AdaServe traces were set for a server whose baseline latency is this.
+TRACE_BASELINE_MS = 30.0
+# llama-server's parallel slots (continuous batching) and its context, shared by the slots.
+LLAMA_SLOTS = 16
+LLAMA_CONTEXT = 32768
+CALIBRATION_TOKENS = 64
+
+
+def _systems(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in SYSTEMS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"systems must be among {', '.join(SYSTEMS)}, got {text!r}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--systems",
+        type=_systems,
+        default=list(SYSTEMS),
+        help=f"comma list (default: {','.join(SYSTEMS)})",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="the GGUF file every system serves (default: the default model's; adaserve "
+        "systems also take a checkpoint dir, llama-server needs a GGUF)",
+    )
+    p.add_argument(
+        "--llama-server",
+        default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
+        help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on PATH)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=len(os.sched_getaffinity(0)), help="threads for each system"
+    )
+    p.add_argument(
+        "--slo-factor",
+        type=float,
+        default=3.0,
+        help="baseline latency = this x the measured single-stream TPOT (relative SLOs are "
+        "slo_ratio x baseline)",
+    )
+    p.add_argument("--calibration-requests", type=int, default=3)
+    p.add_argument(
+        "--server-args", default=None, help="more `adaserve serve` flags, one quoted string"
+    )
+    p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
+    p.add_argument("--server-log-dir", default=None, help="keep server logs here")
+    add_workload_arguments(p)
+
+
+def gguf_path(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return args.model
+    from adaserve.exec.default_model import default_gguf_file
+
+    return str(default_gguf_file())
+
+
+def system_command(args: argparse.Namespace, system: str, port: int) -> list[str]:
+    """The command line that serves `system` on `port`."""
+    if system.startswith("llama-server"):
+        if not args.llama_server:
+            raise ValueError(
+                "no llama-server binary: pass --llama-server PATH or set LLAMA_SERVER "
+                "(docs/benchmarks.md says how to build one)"
+            )
+        cmd = [args.llama_server, "-m", gguf_path(args), "--host", "127.0.0.1"]
+        cmd += ["--port", str(port), "-np", str(LLAMA_SLOTS), "-c", str(LLAMA_CONTEXT)]
+        cmd += ["-t", str(args.threads), "-fa", "on", "--no-webui"]
+        return cmd + (["--spec-type", "ngram-simple"] if system.endswith("ngram") else [])
+    cmd = [sys.executable, "-m", "adaserve.cli", "serve"]
+    cmd += [args.model] if args.model else []  # none: exactly the default `adaserve serve`
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if system == "incremental":
+        cmd += ["--policy", "incremental"]
+    return cmd + shlex.split(args.server_args or "")
+
+
+async def _single_stream_tpot_ms(url: str, prompts: Sequence[str], tokens: int) -> float:
+    """Median TPOT of greedy requests sent one at a time (each timed from first to last token)."""
+    tpots = []
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        for prompt in prompts:
+            body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
+            body["ignore_eos"] = True
+            times = []
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and '"text"' in line:
+                        times.append(time.perf_counter())
+            if len(times) >= 2:
+                tpots.append(1000.0 * (times[-1] - times[0]) / (len(times) - 1))
+    if not tpots:
+        raise RuntimeError(f"{url} streamed no tokens while measuring its TPOT")
+    return statistics.median(tpots)
+
+
+async def _prefill_speed(url: str, prompt: str) -> float:
+    async with httpx.AsyncClient(timeout=600.0) as client:
+        r = await client.get(f"{url}/v1/models")
+        r.raise_for_status()
+        model = str(r.json()["data"][0]["id"])
+        return await measure_prefill_ms_per_token(client, url, model, prompt, {})
+
+
+def calibrate(
+    args: argparse.Namespace, trace: Sequence[TraceRequest], log_dir: Path
+) -> tuple[float, float]:
+    """(single-stream TPOT ms, prefill ms per token), measured on one llama-server (or on
+    the first system when llama-server is not among them)."""
+    system = next((s for s in args.systems if s == "llama-server"), args.systems[0])
+    cmd = system_command(args, system, free_port())
+    with running_server(cmd, log_dir / "calibration.log", args.startup_timeout) as url:
+        warm_up(url, None)
+        prompts = [t.prompt for t in trace[: args.calibration_requests]]
+        tpot = asyncio.run(_single_stream_tpot_ms(url, prompts, CALIBRATION_TOKENS))
+        prefill = asyncio.run(_prefill_speed(url, prefill_probe(trace)))
+    print(
+        f"[calibration on {system}] single-stream TPOT {tpot:.1f} ms, prefill "
+        f"{prefill:.3f} ms/token",
+        file=sys.stderr,
+        flush=True,
+    )
+    return tpot, prefill
+
+
+def run(args: argparse.Namespace) -> int:
+    """Calibrate, then every system x rate on a fresh server; 1 if some point did not run."""
+    trace = load_trace_arg(args)
+    if any(s.startswith("llama-server") for s in args.systems) and not args.llama_server:
+        raise ValueError(
+            "no llama-server binary: pass --llama-server PATH or set LLAMA_SERVER "
+            "(docs/benchmarks.md says how to build one)"
+        )
+    log_dir = Path(args.server_log_dir or tempfile.mkdtemp(prefix="adaserve-compare-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    if args.profile is not None:
+        raise ValueError("compare scales SLOs itself: give --baseline-latency-ms, not --profile")
+    baseline = args.baseline_latency_ms
+    if baseline is None or args.prefill_ms_per_token is None:
+        tpot, prefill = calibrate(args, trace, log_dir)
+        baseline = baseline if baseline is not None else args.slo_factor * tpot
+        if args.prefill_ms_per_token is None:
+            args.prefill_ms_per_token = prefill
+    args.baseline_latency_ms = baseline
+    if args.slo_scale == 1.0:  # not given: absolute SLOs scale with the baseline
+        args.slo_scale = baseline / TRACE_BASELINE_MS
+    print(
+        f"SLOs: baseline {baseline:.1f} ms (relative SLOs x that), absolute x "
+        f"{args.slo_scale:.2f}, TTFT objectives from {args.prefill_ms_per_token:.3f} ms/token",
+        file=sys.stderr,
+        flush=True,
+    )
+    for rps in args.rps or [None]:
+        prepare_point(args, trace, rps)  # bad options fail before any server starts
+    results, failed = [], []
+    for rps in args.rps or [None]:
+        for system in args.systems:
+            cmd = system_command(args, system, free_port())
+            log = log_dir / f"{system}-rps{rps}.log"
+            print(f"[{system} @ {rps} rps] {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            try:
+                with running_server(cmd, log, args.startup_timeout) as url:
+                    warm_up(url, None)
+                    extra = {"system": system, "server_command": cmd, "slo_baseline_ms": baseline}
+                    result = run_point(args, url, trace, rps, system, extra=extra)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                print(f"[{system} @ {rps} rps] skipped: {exc}", file=sys.stderr, flush=True)
+                failed.append(f"{system}@{rps}")
+                continue
+            print(one_line(result), flush=True)
+            results.append(result)
+    if results:
+        print(format_table(results))
+        plot = args.plot or str(Path(args.out).with_suffix(".png"))
+        print(f"wrote {plot_results(results, plot)}", file=sys.stderr)
+    print(f"results appended to {args.out}; server logs in {log_dir}", file=sys.stderr)
+    if failed:
+        print(f"points that did not run: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
