@@ -127,7 +127,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     # Chunked prefill: prompts advance in chunks inside decode iterations, each chunk as large
     # as the running requests' TPOT SLOs allow (request_manager/prefill.py); requests without
-    # an SLO tolerate max_prefill_chunk tokens per iteration; min_prefill_chunk always goes.
+    # an SLO tolerate max_prefill_chunk tokens per iteration; min_prefill_chunk goes when the
+    # first prompt's TTFT objective is lost (while it can be met, it keeps the prompt moving).
     chunked_prefill: bool = True
     max_prefill_chunk: int = 256
     min_prefill_chunk: int = 16
@@ -136,6 +137,9 @@ class SchedulerConfig:
     # that pace takes back up to slo_repay of a pace per iteration from the prompts.
     slo_pace_margin: float = 0.05
     slo_repay: float = 0.5
+    # A stream far ahead of its pace lends up to this share of its banked time to one
+    # iteration's prompt chunks (at least one pace; request_manager/prefill.py).
+    slo_bank_spend: float = 0.5
     # A request that names no slo_ttft_ms gets a TTFT objective: default_ttft_floor_ms plus
     # default_ttft_factor x the time to prefill its prompt alone (request_manager/slo.py).
     # Chunked prefill sizes chunks to meet it; benchmarks count it in SLO attainment.
@@ -210,6 +214,8 @@ class SchedulerConfig:
         for name in ("default_ttft_factor", "default_ttft_floor_ms"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.slo_bank_spend <= 1.0:
+            raise ValueError(f"slo_bank_spend must be in [0, 1], got {self.slo_bank_spend}")
         if not 0.0 <= self.slo_repay <= 1.0:
             raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (

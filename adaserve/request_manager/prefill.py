@@ -19,11 +19,15 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
               prompt, are silent: no logits, and they attend c p + c (c + 1) / 2 keys)
     cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
               much), max_num_batched_tokens when nothing does
-    chunk   = max(chunk, min_prefill_chunk)                            (prefill never starves)
+    chunk   = max(chunk, c_ttft) while the first prompt's TTFT objective can be met (below),
+              else max(chunk, min_prefill_chunk)                   (prefill never starves)
 
-(margin = slo_pace_margin 5%, repay = slo_repay 0.5 in SchedulerConfig), so a request
-spends at most one extra pace of banked time on any one gap (a gap stays under
-~2x its SLO), and a request behind its pace takes time back from the prompts until it has
+with allow_r's bank term clamped to [-repay * pace_r * e_r, max(pace_r, spend * bank_r)]
+(margin = slo_pace_margin 5%, repay = slo_repay 0.5, spend = slo_bank_spend 0.5 in
+SchedulerConfig): a request spends one extra pace of banked time on a gap, or a share of a
+larger bank (TPOT is a mean over the stream: a stream far ahead of its pace affords one long
+gap that finishes a prompt in one go, and big chunks prefill faster per token than many
+small ones), and a request behind its pace takes time back from the prompts until it has
 caught up: a deficit is repaid, not carried to the end of the stream.
 
 TTFT deadlines weigh in (`Request.ttft_objective_ms`: slo_ttft_ms, or the default objective
@@ -65,6 +69,7 @@ def tpot_time_limit(
     floor_s: float = 0.0,
     margin: float = SchedulerConfig.slo_pace_margin,
     repay: float = SchedulerConfig.slo_repay,
+    spend: float = SchedulerConfig.slo_bank_spend,
 ) -> float | None:
     """T_max: the longest iteration every running request with an SLO can afford (seconds).
 
@@ -80,7 +85,9 @@ def tpot_time_limit(
         due = pace * e  # this iteration's share at its pace
         if due + min(max(bank, 0.0), pace) < floor_s:
             continue  # lost even without prefill: it does not hold prompts back
-        allow = max(floor_s, due + min(max(bank, -repay * due), pace))
+        # Banked time is spent on prompts: one pace, or a share of a larger bank (TPOT is the
+        # stream's mean: a stream well ahead affords one longer gap that finishes a prompt).
+        allow = max(floor_s, due + min(max(bank, -repay * due), max(pace, spend * bank)))
         limit = allow if limit is None else min(limit, allow)
     return limit
 
@@ -143,6 +150,7 @@ def chunk_tokens(
     min_prefill_chunk: int,
     margin: float = SchedulerConfig.slo_pace_margin,
     repay: float = SchedulerConfig.slo_repay,
+    spend: float = SchedulerConfig.slo_bank_spend,
 ) -> int:
     """Prompt tokens to prefill in this iteration (the rule in the module docstring)."""
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
@@ -150,10 +158,11 @@ def chunk_tokens(
         return 0
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
-    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay)
+    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend)
     cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap, cached)
     ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
+    floor_chunk = min_prefill_chunk
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
         ttft_ms = r.ttft_objective_ms
@@ -161,7 +170,9 @@ def chunk_tokens(
             left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
             needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap, cached)
             if needed is not None:
-                chunk = max(chunk, needed)
+                # The objective can still be met: it, not a fixed minimum, keeps the prompt
+                # moving, so a tight stream is never made impossible by a minimum chunk.
+                chunk, floor_chunk = max(chunk, needed), 0
             break
         ahead = remaining
-    return min(pending, max(chunk, min_prefill_chunk))
+    return min(pending, max(chunk, floor_chunk))

@@ -277,6 +277,7 @@ class Scheduler:
             self.cfg.min_prefill_chunk,
             self.cfg.slo_pace_margin,
             self.cfg.slo_repay,
+            self.cfg.slo_bank_spend,
         )
         chunks = []
         for r in self.prefilling:

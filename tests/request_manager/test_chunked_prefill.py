@@ -280,3 +280,57 @@ def test_host_time_between_iterations_is_measured_and_chunks_leave_room_for_it(t
     gaps = [1000 * (b - a) for a, b in zip(times, times[1:])]
     # Counting only the forward, the chunks would be ~50 tokens and the gaps ~100 ms.
     assert max(gaps) <= 66.0, f"gaps up to {max(gaps):.0f} ms: the chunks ignored host time"
+
+
+def test_a_stream_far_ahead_of_its_pace_lends_its_bank_to_a_prompt():
+    now = 50.0
+    waiting = Request("w", list(range(2, 402)), SamplingParams())
+    ahead = _streamed(100, 40, 0.4, now)  # 40 tokens in 0.4 s: 3.4 s ahead of its 95 ms pace
+    args = dict(CHUNK_ARGS, now=now)
+    # One pace of bank only (the old rule): allow 0.19 s -> c = 168.
+    assert chunk_tokens(linear_cost, [ahead], [1.0], [waiting], **args, spend=0.0) == 168
+    # Half its bank: allow 0.095 + 1.7 s -> the whole max_prefill_chunk in one iteration.
+    assert chunk_tokens(linear_cost, [ahead], [1.0], [waiting], **args) == 256
+
+
+def test_the_ttft_objective_not_a_minimum_chunk_moves_a_prompt_past_a_tight_stream():
+    """A 30 ms stream leaves no room for 16 prompt tokens; the prompt waits while its TTFT
+    objective is far, takes what the objective needs as it nears, and the minimum chunk only
+    once the objective is lost."""
+    now = 100.0
+    tight = _streamed(30, 10, 0.285, now)  # exactly on its 28.5 ms pace
+    args = dict(CHUNK_ARGS, now=now)
+
+    def chunk(objective_ms: float | None) -> int:
+        w = Request("w", list(range(2, 402)), SamplingParams(), arrival_time=now - 0.5)
+        w.ttft_objective_ms = objective_ms
+        return chunk_tokens(linear_cost, [tight], [1.0], [w], **args)
+
+    room = largest_chunk(linear_cost, 2, 0, 0.0285, 256)
+    assert room < 16
+    assert chunk(None) == 16, "no objective: the minimum chunk keeps the prompt moving"
+    assert chunk(60_000.0) == room, "a far objective does not override the stream's SLO"
+    near = ttft_chunk(linear_cost, 2, 0, 400, 0.9, 256)
+    assert near is not None and near > 16
+    assert chunk(1400.0) == near, "0.9 s left for 400 tokens: the objective sets the chunk"
+    assert chunk(400.0) == 16, "a lost objective: back to the minimum chunk"
+
+
+def test_a_37_ms_stream_keeps_its_slo_while_a_1000_token_prompt_meets_its_ttft(target):
+    e = slowed(engine(target, "incremental", chunked=True, num_blocks=2048), 0.0002, 0.02)
+    stream = e.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True, slo_tpot_ms=37)
+    )
+    for _ in range(20):  # the stream is decoding, ahead of its pace
+        e.step()
+    prompt = e.add_request(
+        [(j % 90) + 2 for j in range(1000)],
+        SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+    )
+    objective = prompt.ttft_objective_ms
+    assert objective is not None, "a request without slo_ttft_ms gets the default objective"
+    while e.has_unfinished():
+        e.step()
+    assert stream.metrics.tpot_ms <= 37, f"the stream's TPOT {stream.metrics.tpot_ms:.1f} ms"
+    ttft_ms = 1000 * prompt.metrics.ttft_s
+    assert ttft_ms <= objective, f"TTFT {ttft_ms:.0f} ms over its objective {objective:.0f} ms"
