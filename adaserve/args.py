@@ -204,8 +204,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         "--admission",
         choices=("queue", "slo"),
         default=d.admission,
-        help="queue: admit while --max-waiting allows; slo: also answer 429 "
-        "(slo_unattainable) to a request whose slo_tpot_ms the current load cannot meet",
+        help="slo (default): answer 429 + Retry-After (slo_unattainable) to a request whose "
+        "slo_tpot_ms the current load cannot meet, and to one that would push admitted "
+        "requests past theirs; queue: plain queueing, admit while --max-waiting allows",
     )
     p.add_argument(
         "--protect-metrics",

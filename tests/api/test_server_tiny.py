@@ -349,7 +349,8 @@ def test_slo_admission_refuses_an_slo_the_load_cannot_meet(tiny_llama) -> None:
 
     # The target's forwards cost 50 ms + 2 ms per token (on the engine's clock).
     engine = slow_forwards(make_engine(tiny_llama, max_num_seqs=8), lambda n: 0.05 + 0.002 * n)
-    with ThreadServer(build_app(engine, ServerConfig(admission="slo"))) as srv:
+    assert ServerConfig().admission == "slo", "the default server refuses what it cannot serve"
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
         tight = complete(srv.url, max_tokens=4, slo_tpot_ms=10)
         assert tight.status_code == 429, tight.text
         assert tight.json()["error"]["code"] == "slo_unattainable", tight.text
@@ -358,7 +359,7 @@ def test_slo_admission_refuses_an_slo_the_load_cannot_meet(tiny_llama) -> None:
         assert complete(srv.url, max_tokens=4).status_code == 200, "no SLO: nothing to refuse"
         m = read_metrics(srv.url)
         assert metric(m, "adaserve_requests_rejected_total", reason="slo_unattainable") == 1
-    with ThreadServer(build_app(engine, ServerConfig())) as srv:  # admission queue: admitted
+    with ThreadServer(build_app(engine, ServerConfig(admission="queue"))) as srv:  # admitted
         assert complete(srv.url, max_tokens=4, slo_tpot_ms=10).status_code == 200
 
 

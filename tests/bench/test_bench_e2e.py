@@ -48,7 +48,8 @@ def test_bench_replays_ten_trace_requests_against_adaserve_serve(tmp_path: Path)
     if not TRACE.exists():
         pytest.skip(f"shared workload {TRACE} is not on this machine")
     out = tmp_path / "results.jsonl"
-    with serve_subprocess("--policy", "incremental") as url:
+    # Plain queueing: this test counts the bench's bookkeeping, every request served.
+    with serve_subprocess("--policy", "incremental", "--admission", "queue") as url:
         rc = command.main(
             ["--url", url, "--trace", str(TRACE), "--max-requests", str(NUM_REQUESTS)]
             + ["--output-length", str(OUTPUT_LENGTH), "--rps", "5", "--baseline-latency-ms", "100"]
