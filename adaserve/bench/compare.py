@@ -64,7 +64,9 @@ def _systems(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [s for s in names if s not in SYSTEMS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"systems must be among {', '.join(SYSTEMS)}, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"systems must be among {', '.join(SYSTEMS)}, got {text!r}"
+        )
     return names
 
 

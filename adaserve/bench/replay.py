@@ -159,10 +159,11 @@ async def measure_prefill_ms_per_token(
     client: httpx.AsyncClient, url: str, model: str, prompt: str, headers: dict[str, str]
 ) -> float:
     """The server's prefill speed alone: a one-token completion of `prompt`, timed end to end
-    over its prompt tokens (best of two; the first also warms the server up)."""
-    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    over its prompt tokens (best of two; the first also warms the server up). Each try starts
+    with its own line, so no server can answer the second from the first's cached prompt."""
     best = float("inf")
-    for _ in range(2):
+    for i in range(2):
+        body = {"model": model, "prompt": f"{i}: {prompt}", "max_tokens": 1, "temperature": 0}
         start = time.perf_counter()
         r = await client.post(f"{url}/v1/completions", json=body, headers=headers)
         r.raise_for_status()

@@ -32,10 +32,10 @@ caught up: a deficit is repaid, not carried to the end of the stream.
 
 TTFT deadlines weigh in (`Request.ttft_objective_ms`: slo_ttft_ms, or the default objective
 from the prompt length that every request gets, `slo.ttft_objective_ms`): for the first
-prefilling request with one, the smallest chunk c_ttft that still finishes its remaining prompt in time,
-ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to c_ttft
-(capped); a deadline no chunk can meet any more does not (a first token already late does
-not outrank TPOTs).
+prefilling request with one, the smallest chunk c_ttft that still finishes its remaining
+prompt in time, ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to
+c_ttft (capped); a deadline no chunk can meet any more does not (a first token already late
+does not outrank TPOTs) and the minimum chunk keeps that prompt moving.
 """
 
 from __future__ import annotations

@@ -144,7 +144,9 @@ def test_compare_calibrates_slos_then_runs_a_fresh_server_per_point(
 
 def test_compare_names_what_is_missing_without_a_llama_server(tmp_path: Path, capsys) -> None:
     trace = tmp_path / "trace.json"
-    trace.write_text(json.dumps([{"emission_time_ms": 0, "prompt": "a", "output_length": 2, "slo_ratio": 0}]))
+    trace.write_text(
+        json.dumps([{"emission_time_ms": 0, "prompt": "a", "output_length": 2, "slo_ratio": 0}])
+    )
     rc = command.main(
         ["compare", "--trace", str(trace), "--systems", "llama-server", "--llama-server", ""]
     )

@@ -141,8 +141,9 @@ def test_the_prefill_probe_sets_every_records_ttft_objective() -> None:
     _, records, _ = asyncio.run(
         replay("http://x", reqs, progress=False, transport=transport, measure_prefill="probe")
     )
-    probes = [b for b in server.bodies if b["prompt"] == "probe"]
+    probes = [b for b in server.bodies if b["prompt"].endswith("probe")]
     assert len(probes) == 2 and all(b["max_tokens"] == 1 for b in probes)
+    assert probes[0]["prompt"][:3] != probes[1]["prompt"][:3], "a cached prompt would be timed"
     speed = records[0].prefill_ms_per_token
     assert speed is not None and 1.0 <= speed < 10.0, f"50 ms over 50 tokens measured {speed}"
     # prompt_tokens 2 (usage): objective = floor + factor x 2 x speed
