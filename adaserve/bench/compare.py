@@ -18,7 +18,8 @@ baseline / 30 ms (they were set for a server whose baseline is 30 ms; or --slo-s
 every request gets the default TTFT objective from its prompt length and the measured
 prefill speed (or --prefill-ms-per-token; docs/benchmarks.md). The same numbers go
 to every system. Results append to --out (one line per point, labelled by system), then the
-table and a plot.
+table (attainment joint, TPOT-only and by class; TTFT p50/p99; TPOT p50/p90; throughput;
+goodput; refusals) and a four-panel plot of the same.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ from pathlib import Path
 
 import httpx
 
-from adaserve.bench.plot import plot_results
 from adaserve.bench.replay import measure_prefill_ms_per_token
-from adaserve.bench.report import format_table
+from adaserve.bench.report import load_results
 from adaserve.bench.sweep import DEFAULT_STARTUP_TIMEOUT_S, free_port, running_server, warm_up
 from adaserve.bench.trace import TraceRequest
 from adaserve.bench.workload import (
@@ -184,6 +184,72 @@ def calibrate(
     return tpot, prefill
 
 
+def _cell(x: float | None, fmt: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(scale * x, fmt)
+
+
+def compare_table(results: Sequence[dict]) -> str:
+    """One row per point: attainment (joint, TPOT-only, by class), latency, rates."""
+    cats = sorted({c for r in results for c in r.get("per_category", {})})
+    head = ["system", "RPS", "SLO attainment", "TPOT-only"] + [f"att. {c}" for c in cats]
+    head += ["TTFT p50 / p99 s", "TPOT p50 / p90 ms", "throughput tok/s", "goodput tok/s"]
+    head += ["refused"]
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(results, key=lambda r: (r.get("rps") or 0.0, SYSTEMS.index(r["system"]))):
+        per = r.get("per_category", {})
+        cells = [r["system"], _cell(r.get("rps"), ".2f")]
+        cells += [_cell(r.get("slo_attainment"), ".1%"), _cell(r.get("tpot_slo_attainment"), ".1%")]
+        cells += [_cell(per[c]["slo_attainment"], ".0%") if c in per else "-" for c in cats]
+        ttft = _cell(r.get("ttft_ms_p50"), ".2f", 1e-3), _cell(r.get("ttft_ms_p99"), ".1f", 1e-3)
+        cells += [
+            f"{ttft[0]} / {ttft[1]}",
+            f"{_cell(r.get('tpot_ms_p50'), '.0f')} / {_cell(r.get('tpot_ms_p90'), '.0f')}",
+            _cell(r.get("throughput_tok_s"), ".1f"),
+            _cell(r.get("goodput_tok_s"), ".1f"),
+            str(r.get("refused", 0)),
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
+    """Four panels vs RPS, a line per system: attainment (TPOT-only dashed), goodput
+    (throughput dashed), TTFT p50 (p99 dashed), TPOT p50 (p90 dashed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
+    panels = [
+        ("SLO attainment (%)", "slo_attainment", "tpot_slo_attainment", 100.0),
+        ("goodput, throughput (tok/s)", "goodput_tok_s", "throughput_tok_s", 1.0),
+        ("TTFT p50, p99 (s)", "ttft_ms_p50", "ttft_ms_p99", 1e-3),
+        ("TPOT p50, p90 (ms)", "tpot_ms_p50", "tpot_ms_p90", 1.0),
+    ]
+    for system in [s for s in SYSTEMS if any(r["system"] == s for r in results)]:
+        points = sorted((r["rps"], r) for r in results if r["system"] == system)
+        xs = [x for x, _ in points]
+        for ax, (label, solid, dashed, scale) in zip(axes.flat, panels):
+            line = ax.plot(xs, [scale * (r.get(solid) or 0.0) for _, r in points], marker="o")
+            ax.plot(
+                xs,
+                [scale * (r.get(dashed) or 0.0) for _, r in points],
+                linestyle="--",
+                color=line[0].get_color(),
+            )
+            line[0].set_label(system)
+            ax.set(xlabel="requests per second", ylabel=label)
+            ax.grid(True, alpha=0.3)
+            ax.set_ylim(bottom=0)
+    axes.flat[0].legend(fontsize="small")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Calibrate, then every system x rate on a fresh server; 1 if some point did not run."""
     trace = load_trace_arg(args)
@@ -231,10 +297,29 @@ def run(args: argparse.Namespace) -> int:
             print(one_line(result), flush=True)
             results.append(result)
     if results:
-        print(format_table(results))
+        print(compare_table(results))
         plot = args.plot or str(Path(args.out).with_suffix(".png"))
-        print(f"wrote {plot_results(results, plot)}", file=sys.stderr)
+        print(f"wrote {plot_compare(results, plot)}", file=sys.stderr)
     print(f"results appended to {args.out}; server logs in {log_dir}", file=sys.stderr)
     if failed:
         print(f"points that did not run: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m adaserve.bench.compare RESULTS [--plot PNG]`: the table and plot again."""
+    p = argparse.ArgumentParser(prog="python -m adaserve.bench.compare", description=main.__doc__)
+    p.add_argument("results", help="a results file written by `adaserve bench compare`")
+    p.add_argument("--plot", default=None, help="PNG to draw (default: RESULTS with .png)")
+    args = p.parse_args(argv)
+    results = [r for r in load_results(args.results) if r.get("system") in SYSTEMS]
+    if not results:
+        print(f"no `adaserve bench compare` result in {args.results}", file=sys.stderr)
+        return 1
+    print(compare_table(results))
+    print(f"wrote {plot_compare(results, args.plot or Path(args.results).with_suffix('.png'))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.cost_model import ForwardCostModel
+from adaserve.request_manager.prefill import forced_chunk
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.stats import IterationStats
 
@@ -21,14 +22,20 @@ Queues = Callable[[], tuple[Sequence[Request], Sequence[Request], Sequence[Reque
 class Admission:
     """Load averages over the iterations as they ran, and the admission decision."""
 
-    def __init__(self, cfg: SchedulerConfig, cost: ForwardCostModel | None, queues: Queues):
-        self.cfg, self.cost, self.queues = cfg, cost, queues
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        cost: ForwardCostModel | None,
+        queues: Queues,
+        clock: Callable[[], float],
+    ):
+        self.cfg, self.cost, self.queues, self.clock = cfg, cost, queues, clock
         # Tokens a decoding request has recently got per iteration (EMA; >= 1: speculation's
         # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
         self.tokens_per_request = 1.0
-        # Recent decode iterations as they ran (EMA, None before the first): wall time from
-        # one start to the next (forward, prefill chunks riding along, drafting, host time),
-        # and forward tokens per decoding request.
+        # Recent decode-only iterations as they ran (EMA, None before the first): wall time
+        # from one start to the next (forward, drafting, host time), and forward tokens per
+        # decoding request.
         self.decode_period_s: float | None = None
         self.forward_tokens_per_request = 1.0
         # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
@@ -50,9 +57,9 @@ class Admission:
         """Seconds per output token a request admitted now would see once it decodes, over
         the tokens per request iterations have recently emitted. The iteration: the cost
         model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
-        one token each), or, while requests decode, the recent iteration period scaled by
-        the cost model from the running batch to that one, if longer (it has what the cost
-        of one token each misses: prefill chunks riding along, tree tokens, drafting).
+        one token each), or, while requests decode, the recent period of decode-only
+        iterations scaled by the cost model from the running batch to that one, if longer
+        (it has what the cost of one token each misses: tree tokens, drafting, host time).
         None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
@@ -61,6 +68,21 @@ class Admission:
         n = min(len(reqs) + 1, self.cfg.max_num_seqs)
         context = sum(r.num_tokens for r in reqs[:n])
         iteration = self.iteration_s(n, context)
+        if self.cfg.chunked_prefill and prefilling:
+            # Prompt tokens that ride along whatever the SLOs allow (a TTFT objective's due,
+            # or the minimum chunk once it is lost) slow every stream, this one included.
+            forced = forced_chunk(
+                self.iteration_s,
+                prefilling,
+                n,
+                context,
+                self.clock(),
+                self.cfg.max_prefill_chunk,
+                self.cfg.min_prefill_chunk,
+            )
+            if forced:
+                pairs = forced * prefilling[0].num_cached + forced * (forced + 1) // 2
+                iteration = max(iteration, self.iteration_s(n + forced, context, forced, pairs))
         if running and self.decode_period_s is not None:
             per = self.forward_tokens_per_request
             now = self.iteration_s(
@@ -117,7 +139,11 @@ class Admission:
         self.tokens_per_request += self.cfg.tokens_per_request_ema * (
             max(per, 1.0) - self.tokens_per_request
         )
-        if gap_s is not None:  # busy since the last iteration: a true period
+        if gap_s is not None and not stats.prefill_tokens:
+            # Busy since the last iteration (a true period) and decode only: prompt chunks
+            # ride in the time the running SLOs leave (prefill.py), so a period stretched by
+            # one is what a prompt borrows, not what a newly admitted stream will see; counted,
+            # one long prompt made the server refuse at a tenth of its capacity.
             period = stats.total_s + gap_s
             last = self.decode_period_s
             self.decode_period_s = period if last is None else last + a * (period - last)

@@ -137,6 +137,38 @@ def ttft_chunk(
     return lo
 
 
+def forced_chunk(
+    cost: CostFn,
+    prefilling: Sequence[Request],
+    tree_tokens: int,
+    context: int,
+    now: float,
+    cap: int,
+    min_prefill_chunk: int,
+) -> int:
+    """Prompt tokens the next forward takes whatever the streams' SLOs allow: what the first
+    prompt's TTFT objective needs while it can be met (the prompts ahead of it included),
+    else min_prefill_chunk; 0 with nothing to prefill."""
+    pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
+    if pending <= 0:
+        return 0
+    cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
+    ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
+    for r in prefilling:
+        remaining = ahead + prefill_target(r) - r.num_cached
+        ttft_ms = r.ttft_objective_ms
+        if ttft_ms is not None:
+            left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
+            needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap, cached)
+            if needed is not None:
+                # The objective can still be met: it, not a fixed minimum, keeps the prompt
+                # moving, so a tight stream is never made impossible by a minimum chunk.
+                return min(pending, needed)
+            break
+        ahead = remaining
+    return min(pending, min_prefill_chunk)
+
+
 def chunk_tokens(
     cost: CostFn,
     running: Sequence[Request],
@@ -161,18 +193,5 @@ def chunk_tokens(
     limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend)
     cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap, cached)
-    ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
-    floor_chunk = min_prefill_chunk
-    for r in prefilling:
-        remaining = ahead + prefill_target(r) - r.num_cached
-        ttft_ms = r.ttft_objective_ms
-        if ttft_ms is not None:
-            left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
-            needed = ttft_chunk(cost, tree_tokens, context, remaining, left, cap, cached)
-            if needed is not None:
-                # The objective can still be met: it, not a fixed minimum, keeps the prompt
-                # moving, so a tight stream is never made impossible by a minimum chunk.
-                chunk, floor_chunk = max(chunk, needed), 0
-            break
-        ahead = remaining
-    return min(pending, max(chunk, floor_chunk))
+    forced = forced_chunk(cost, prefilling, tree_tokens, context, now, cap, min_prefill_chunk)
+    return min(pending, max(chunk, forced))

@@ -82,7 +82,7 @@ class Scheduler:
             cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
         self.cost = cost_model
         self.admission = Admission(
-            cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting)
+            cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting), self.clock
         )
         self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel())
         self.drafter = self.planner.drafter

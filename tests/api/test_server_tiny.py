@@ -384,8 +384,9 @@ def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> Non
 def test_slo_admission_counts_what_running_iterations_really_cost(tiny_llama) -> None:
     from tests.virtual_time import slow_forwards
 
-    # Forwards cost 10 ms + 1 ms per token. A long prompt prefills in 100-token chunks beside
-    # a decoding stream, so iterations take ~110 ms, not the ~12 ms of one token each.
+    # Forwards cost 10 ms + 1 ms per token. A long prompt whose first token is already late
+    # prefills in (minimum) 100-token chunks beside a decoding stream, whatever the SLOs
+    # allow, so iterations take ~110 ms, not the ~12 ms of one token each.
     engine = slow_forwards(
         make_engine(tiny_llama, max_num_seqs=8, max_prefill_chunk=100, min_prefill_chunk=100),
         lambda n: 0.01 + 0.001 * n,
@@ -395,9 +396,30 @@ def test_slo_admission_counts_what_running_iterations_really_cost(tiny_llama) ->
     for _ in range(3):
         engine.step()
     assert engine.admission.refusal(50) is None, "decoding alone: room for a 50 ms SLO"
-    engine.add_request(" ".join(["t5"] * 450), SamplingParams(max_tokens=4))
+    engine.add_request(" ".join(["t5"] * 450), SamplingParams(max_tokens=4, slo_ttft_ms=1))
     for _ in range(4):
         engine.step()
     assert sched.last_stats.prefill_tokens == 100, "the chunk rides along"
     why = engine.admission.refusal(50)
     assert why is not None and "slo_tpot_ms 50 cannot be met" in why, why
+
+
+def test_slo_admission_is_not_fooled_by_a_prompt_that_yields_to_the_slos(tiny_llama) -> None:
+    """A long prompt whose TTFT objective is still far rides in the time the streams' SLOs
+    leave: its big chunks stretch iterations while nobody tight decodes, but a 50 ms request
+    admitted now would shrink them, so it is admitted (refusing it at a tenth of the
+    capacity was the measured cost of counting those iterations)."""
+    from tests.virtual_time import slow_forwards
+
+    engine = slow_forwards(
+        make_engine(tiny_llama, max_num_seqs=8, max_prefill_chunk=100),
+        lambda n: 0.01 + 0.001 * n,
+    )
+    engine.add_request(PROMPT, SamplingParams(max_tokens=64, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    engine.add_request(" ".join(["t5"] * 450), SamplingParams(max_tokens=4, slo_ttft_ms=60_000))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.last_stats.prefill_tokens == 100, "big chunks while nobody is tight"
+    assert engine.admission.refusal(50) is None, "the chunks would yield to a 50 ms stream"

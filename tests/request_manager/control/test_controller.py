@@ -224,3 +224,29 @@ def test_may_pay_when_a_perfect_draft_would_beat_plain_decoding():
     shape = SpecShape(depth=3, width=1)
     assert cheap.may_pay(2, shape, 0)
     assert not costly.may_pay(2, shape, 0)
+
+
+def test_suffix_trees_that_cost_more_than_they_yield_are_not_verified(pair):  # noqa: F811
+    """Control applies to model-free drafters too: with every extra verified token priced
+    above what it can yield, the suffix drafter still proposes its trees, and pruning cuts
+    them to the roots except for the periodic one-node probe that keeps calibration alive."""
+    prompts = [[5, 6, 7, 8], [9, 10, 11], [3, 4]]
+    params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], None, "adaserve")
+    assert engine.scheduler.drafter.name == "suffix"
+    first, _ = run(engine, prompts, params)  # the answers enter the suffix index
+    ctl = _warm(engine.scheduler.controller)
+    ctl.verify_cost = _cost({1: 50, 2: 120, 4: 300, 8: 800, 16: 2000, 32: 5000, 64: 12000})
+    again, stats = run(engine, prompts, params)
+    assert first == ref and again == ref, "pruned suffix trees changed the greedy output"
+    decode = [s for s in stats if s.kind == "decode"]
+    assert sum(s.draft_nodes for s in decode) > 60, "the suffix drafter proposed nothing"
+    verified = [s for s in decode if s.num_tokens > s.num_requests]
+    probes = len(decode) // SchedulerConfig().probe_interval_min + 1
+    assert len(verified) <= probes, (
+        f"{len(verified)} of {len(decode)} iterations verified tree tokens that cannot pay "
+        f"(at most {probes} one-node probes allowed)"
+    )
+    assert all(s.num_tokens - s.num_requests <= 1 for s in verified), "a probe is one node"
+    assert_no_blocks_held(engine)
