@@ -69,8 +69,8 @@ class Admission:
         context = sum(r.num_tokens for r in reqs[:n])
         iteration = self.iteration_s(n, context)
         if self.cfg.chunked_prefill and prefilling:
-            # Prompt tokens that ride along whatever the SLOs allow (a TTFT objective's due,
-            # or the minimum chunk once it is lost) slow every stream, this one included.
+            # Prompt tokens that ride along whatever the SLOs allow (a TTFT objective's due)
+            # slow every stream, this one included.
             forced = forced_chunk(
                 self.iteration_s,
                 prefilling,
@@ -78,7 +78,7 @@ class Admission:
                 context,
                 self.clock(),
                 self.cfg.max_prefill_chunk,
-                self.cfg.min_prefill_chunk,
+                0,  # a late prompt's minimum chunk passes with it: not what a stream will see
             )
             if forced:
                 pairs = forced * prefilling[0].num_cached + forced * (forced + 1) // 2

@@ -7,7 +7,12 @@ import pytest
 
 from adaserve import LLMEngine, SamplingParams
 from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
-from adaserve.request_manager.prefill import chunk_tokens, largest_chunk, ttft_chunk
+from adaserve.request_manager.prefill import (
+    chunk_tokens,
+    largest_chunk,
+    prefill_priority,
+    ttft_chunk,
+)
 from adaserve.request_manager.request import Request
 from tests.conftest import make_tiny_checkpoint
 from tests.request_manager.test_speculative import run
@@ -334,3 +339,38 @@ def test_a_37_ms_stream_keeps_its_slo_while_a_1000_token_prompt_meets_its_ttft(t
     assert stream.metrics.tpot_ms <= 37, f"the stream's TPOT {stream.metrics.tpot_ms:.1f} ms"
     ttft_ms = 1000 * prompt.metrics.ttft_s
     assert ttft_ms <= objective, f"TTFT {ttft_ms:.0f} ms over its objective {objective:.0f} ms"
+
+
+def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
+    """A short question arriving just after a long document gets its first token first (its
+    objective is ~1 s, the document's many seconds); a prompt whose deadline already passed
+    does not jump the queue."""
+    e = slowed(engine(target, "incremental", chunked=True, num_blocks=2048), 0.001, 0.02)
+    e.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, slo_tpot_ms=40)
+    )
+    e.step()
+    e.step()
+    document = e.add_request(
+        [(j % 90) + 2 for j in range(1500)],
+        SamplingParams(max_tokens=2, ignore_eos=True),
+    )
+    e.step()
+    question = e.add_request([8, 9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True))
+    while question.metrics.first_token_time is None:
+        e.step()
+    assert document.metrics.first_token_time is None, "the question waited behind the document"
+    objective = question.ttft_objective_ms
+    assert 1000 * question.metrics.ttft_s <= objective, "the short prompt met its objective"
+    # The order itself: a recomputing stream, then live deadlines earliest first, then late ones.
+    now = 100.0
+    late = Request("late", [1] * 8, SamplingParams(), arrival_time=now - 10)
+    late.ttft_objective_ms = 1000.0
+    soon = Request("soon", [1] * 8, SamplingParams(), arrival_time=now - 0.5)
+    soon.ttft_objective_ms = 1000.0
+    later = Request("later", [1] * 8, SamplingParams(), arrival_time=now - 0.6)
+    later.ttft_objective_ms = 5000.0
+    resumed = Request("resumed", [1] * 8, SamplingParams(), arrival_time=now - 20)
+    resumed.append_token(3, now - 5)
+    queue = sorted([late, later, soon, resumed], key=lambda r: prefill_priority(r, now))
+    assert [r.request_id for r in queue] == ["resumed", "soon", "later", "late"]
