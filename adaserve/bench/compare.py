@@ -58,6 +58,7 @@ TRACE_BASELINE_MS = 30.0
 LLAMA_SLOTS = 16
 LLAMA_CONTEXT = 32768
 CALIBRATION_TOKENS = 64
+CALIBRATION_ATTEMPTS = 2
 
 
 def _systems(text: str) -> list[str]:
@@ -169,12 +170,19 @@ def calibrate(
     """(single-stream TPOT ms, prefill ms per token), measured on one llama-server (or on
     the first system when llama-server is not among them)."""
     system = next((s for s in args.systems if s == "llama-server"), args.systems[0])
-    cmd = system_command(args, system, free_port())
-    with running_server(cmd, log_dir / "calibration.log", args.startup_timeout) as url:
-        warm_up(url, None)
-        prompts = [t.prompt for t in trace[: args.calibration_requests]]
-        tpot = asyncio.run(_single_stream_tpot_ms(url, prompts, CALIBRATION_TOKENS))
-        prefill = asyncio.run(_prefill_speed(url, prefill_probe(trace)))
+    for attempt in range(CALIBRATION_ATTEMPTS):
+        cmd = system_command(args, system, free_port())
+        try:
+            with running_server(cmd, log_dir / "calibration.log", args.startup_timeout) as url:
+                warm_up(url, None)
+                prompts = [t.prompt for t in trace[: args.calibration_requests]]
+                tpot = asyncio.run(_single_stream_tpot_ms(url, prompts, CALIBRATION_TOKENS))
+                prefill = asyncio.run(_prefill_speed(url, prefill_probe(trace)))
+            break
+        except httpx.HTTPError as exc:  # once seen: llama-server exited mid-calibration
+            if attempt + 1 == CALIBRATION_ATTEMPTS:
+                raise RuntimeError(f"calibration on {system} failed: {exc}") from exc
+            print(f"[calibration] {exc}; a fresh server tries again", file=sys.stderr)
     print(
         f"[calibration on {system}] single-stream TPOT {tpot:.1f} ms, prefill "
         f"{prefill:.3f} ms/token",

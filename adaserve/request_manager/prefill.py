@@ -62,18 +62,20 @@ def prefill_target(req: Request) -> int:
     return req.num_tokens - 1 if req.output_token_ids else req.num_tokens
 
 
-def prefill_priority(req: Request, now: float) -> tuple[int, float]:
+def prefill_priority(req: Request) -> tuple[int, float]:
     """Sort key of the prefilling queue: a preempted stream's recomputation first (its user is
-    already reading), then prompts by TTFT deadline while it can still be met (earliest
-    first: a 14-token question does not wait 4 s behind a 900-token document whose
-    objective is 18 s away), then prompts whose deadline passed or that have none, in
-    arrival order (a lost deadline must not push every other prompt past theirs)."""
+    already reading), then prompts by TTFT deadline, earliest first (a 14-token question does
+    not wait 4 s behind a 900-token document whose objective is 18 s away; the default
+    objective grows with the prompt, so short prompts go first and a long one still goes once
+    its deadline is the nearest), then prompts with no objective, in arrival order.
+
+    A passed deadline keeps its place: sending late prompts to the back (tried first) starved
+    short questions that missed their 1.3 s objective by one long chunk behind every
+    later document, 13 s instead of 3.6 s."""
     if req.output_token_ids:
         return (0, req.metrics.arrival_time)
     if req.ttft_objective_ms is not None:
-        deadline = req.metrics.arrival_time + req.ttft_objective_ms / 1000.0
-        if deadline > now:
-            return (1, deadline)
+        return (1, req.metrics.arrival_time + req.ttft_objective_ms / 1000.0)
     return (2, req.metrics.arrival_time)
 
 
@@ -167,8 +169,8 @@ def forced_chunk(
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
     if pending <= 0:
         return 0
-    cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
-    ahead = 0  # prompt tokens of earlier requests, prefilled first (FIFO)
+    cached = prefilling[0].num_cached  # where the next chunk starts (queue order)
+    ahead = 0  # prompt tokens of requests ahead in the queue, prefilled first
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
         ttft_ms = r.ttft_objective_ms
@@ -206,7 +208,7 @@ def chunk_tokens(
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
     limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend)
-    cached = prefilling[0].num_cached  # where the next chunk starts (FIFO)
+    cached = prefilling[0].num_cached  # where the next chunk starts (queue order)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap, cached)
     forced = forced_chunk(cost, prefilling, tree_tokens, context, now, cap, min_prefill_chunk)
     return min(pending, max(chunk, forced))

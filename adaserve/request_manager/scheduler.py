@@ -258,12 +258,12 @@ class Scheduler:
     def _plan_chunks(
         self, decoding: list[Request], plan: TreePlan, context: int
     ) -> list[tuple[Request, int]]:
-        """(request, prompt tokens) to prefill in this forward, FIFO."""
+        """(request, prompt tokens) to prefill in this forward, earliest TTFT deadline first."""
         if not self.prefilling:
             return []
         if not self.cfg.chunked_prefill:
             return [(r, prefill_target(r) - r.num_cached) for r in self.prefilling]
-        self.prefilling.sort(key=lambda r: prefill_priority(r, self.clock()))
+        self.prefilling.sort(key=prefill_priority)
         assert self.cost is not None
         tree_tokens = sum(len(s) for s in plan.selections)
         budget = chunk_tokens(

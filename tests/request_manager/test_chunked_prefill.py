@@ -343,8 +343,7 @@ def test_a_37_ms_stream_keeps_its_slo_while_a_1000_token_prompt_meets_its_ttft(t
 
 def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     """A short question arriving just after a long document gets its first token first (its
-    objective is ~1 s, the document's many seconds); a prompt whose deadline already passed
-    does not jump the queue."""
+    objective is ~1 s, the document's many seconds)."""
     e = slowed(engine(target, "incremental", chunked=True, num_blocks=2048), 0.001, 0.02)
     e.add_request(
         [5, 6, 7], SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, slo_tpot_ms=40)
@@ -362,7 +361,8 @@ def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     assert document.metrics.first_token_time is None, "the question waited behind the document"
     objective = question.ttft_objective_ms
     assert 1000 * question.metrics.ttft_s <= objective, "the short prompt met its objective"
-    # The order itself: a recomputing stream, then live deadlines earliest first, then late ones.
+    # The order itself: a recomputing stream, then deadlines earliest first (passed ones keep
+    # their place), then prompts without an objective.
     now = 100.0
     late = Request("late", [1] * 8, SamplingParams(), arrival_time=now - 10)
     late.ttft_objective_ms = 1000.0
@@ -372,5 +372,6 @@ def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     later.ttft_objective_ms = 5000.0
     resumed = Request("resumed", [1] * 8, SamplingParams(), arrival_time=now - 20)
     resumed.append_token(3, now - 5)
-    queue = sorted([late, later, soon, resumed], key=lambda r: prefill_priority(r, now))
-    assert [r.request_id for r in queue] == ["resumed", "soon", "later", "late"]
+    none = Request("none", [1] * 8, SamplingParams(), arrival_time=now - 30)
+    queue = sorted([none, later, soon, late, resumed], key=prefill_priority)
+    assert [r.request_id for r in queue] == ["resumed", "late", "soon", "later", "none"]
