@@ -62,21 +62,38 @@ def prefill_target(req: Request) -> int:
     return req.num_tokens - 1 if req.output_token_ids else req.num_tokens
 
 
-def prefill_priority(req: Request) -> tuple[int, float]:
-    """Sort key of the prefilling queue: a preempted stream's recomputation first (its user is
-    already reading), then prompts by TTFT deadline, earliest first (a 14-token question does
-    not wait 4 s behind a 900-token document whose objective is 18 s away; the default
-    objective grows with the prompt, so short prompts go first and a long one still goes once
-    its deadline is the nearest), then prompts with no objective, in arrival order.
+# A prompt overtakes an earlier one only when its TTFT deadline is this much sooner: near-equal
+# deadlines keep arrival order (reordering them buys nothing and changes batch layouts).
+OVERTAKE_S = 0.25
+
+
+def prefill_deadline(req: Request) -> float:
+    """When a prefilling request's first token is due: -inf for a preempted stream's
+    recomputation (its user is already reading), +inf without a TTFT objective."""
+    if req.output_token_ids:
+        return -math.inf
+    if req.ttft_objective_ms is None:
+        return math.inf
+    return req.metrics.arrival_time + req.ttft_objective_ms / 1000.0
+
+
+def prefill_order(prefilling: Sequence[Request]) -> list[Request]:
+    """The prefilling queue, earliest TTFT deadline first: in arrival order, each prompt moves
+    ahead of the earlier ones whose deadline is more than OVERTAKE_S later (a 14-token
+    question does not wait 4 s behind a 900-token document whose objective is 18 s away; the
+    default objective grows with the prompt, so a long one still goes once its deadline is
+    the nearest).
 
     A passed deadline keeps its place: sending late prompts to the back (tried first) starved
-    short questions that missed their 1.3 s objective by one long chunk behind every
-    later document, 13 s instead of 3.6 s."""
-    if req.output_token_ids:
-        return (0, req.metrics.arrival_time)
-    if req.ttft_objective_ms is not None:
-        return (1, req.metrics.arrival_time + req.ttft_objective_ms / 1000.0)
-    return (2, req.metrics.arrival_time)
+    short questions that missed their 1.3 s objective by one long chunk behind every later
+    document, 13 s instead of 3.6 s."""
+    order: list[Request] = []
+    for r in sorted(prefilling, key=lambda q: q.metrics.arrival_time):
+        due, i = prefill_deadline(r), len(order)
+        while i > 0 and prefill_deadline(order[i - 1]) > due + OVERTAKE_S:
+            i -= 1
+        order.insert(i, r)
+    return order
 
 
 def tpot_time_limit(

@@ -26,7 +26,7 @@ from adaserve.request_manager.drafters import Drafter
 from adaserve.request_manager.output import OutputProcessor
 from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
-from adaserve.request_manager.prefill import chunk_tokens, prefill_priority, prefill_target
+from adaserve.request_manager.prefill import chunk_tokens, prefill_order, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
 from adaserve.request_manager.slo import ttft_objective_ms
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
@@ -72,7 +72,7 @@ class Scheduler:
             self.timeline = IterationTimeline(cfg.record_iterations, cfg.slo_pace_margin)
         self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
         self.waiting: deque[Request] = deque()
-        # Admitted, prompt KV not complete yet; earliest TTFT deadline first (prefill_priority).
+        # Admitted, prompt KV not complete yet; earliest TTFT deadline first (prefill_order).
         self.prefilling: list[Request] = []
         self.running: list[Request] = []  # decoding
         self.last_stats: IterationStats | None = None
@@ -263,7 +263,7 @@ class Scheduler:
             return []
         if not self.cfg.chunked_prefill:
             return [(r, prefill_target(r) - r.num_cached) for r in self.prefilling]
-        self.prefilling.sort(key=prefill_priority)
+        self.prefilling[:] = prefill_order(self.prefilling)
         assert self.cost is not None
         tree_tokens = sum(len(s) for s in plan.selections)
         budget = chunk_tokens(

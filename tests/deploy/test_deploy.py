@@ -128,8 +128,16 @@ def test_dashboard_is_grafana_json_and_queries_only_exported_metrics():
 
 def test_every_dashboard_query_returns_data_from_a_real_prometheus(tmp_path):
     prometheus, _ = prometheus_binaries()
+    # Plain queueing: every class must get served requests for its queries to have data.
     with serve_subprocess(
-        "--policy", "adaserve", "--budget", "8", "--slo-classes", "urgent=50,normal=150,relaxed=inf"
+        "--policy",
+        "adaserve",
+        "--budget",
+        "8",
+        "--slo-classes",
+        "urgent=50,normal=150,relaxed=inf",
+        "--admission",
+        "queue",
     ) as url:
         port = free_port()
         config = yaml.safe_load((DEPLOY / "prometheus.yml").read_text())

@@ -26,7 +26,11 @@ MAX_TOKENS = 6
 def url() -> Iterator[str]:
     # torch: the test below wants identical greedy requests in one batch to agree, which the
     # ggml backend does not promise (docs/ggml.md); test_openai_client serves on ggml.
+    # Plain queueing: these tests count every client's request by class (32 at once would
+    # otherwise be partly refused by the default --admission slo, tested in test_server_tiny).
     with serve_subprocess(
+        "--admission",
+        "queue",
         "--policy",
         "incremental",
         "--backend",

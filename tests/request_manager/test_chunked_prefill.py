@@ -10,7 +10,7 @@ from adaserve.config import POLICIES, CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.request_manager.prefill import (
     chunk_tokens,
     largest_chunk,
-    prefill_priority,
+    prefill_order,
     ttft_chunk,
 )
 from adaserve.request_manager.request import Request
@@ -373,5 +373,7 @@ def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     resumed = Request("resumed", [1] * 8, SamplingParams(), arrival_time=now - 20)
     resumed.append_token(3, now - 5)
     none = Request("none", [1] * 8, SamplingParams(), arrival_time=now - 30)
-    queue = sorted([none, later, soon, late, resumed], key=prefill_priority)
-    assert [r.request_id for r in queue] == ["resumed", "late", "soon", "later", "none"]
+    close = Request("close", [1] * 8, SamplingParams(), arrival_time=now - 0.45)
+    close.ttft_objective_ms = 1000.0  # due 0.05 s after "soon": arrival order kept
+    queue = prefill_order([none, later, soon, close, late, resumed])
+    assert [r.request_id for r in queue] == ["resumed", "late", "soon", "close", "later", "none"]
