@@ -40,7 +40,13 @@ import httpx
 
 from adaserve.bench.replay import measure_prefill_ms_per_token
 from adaserve.bench.report import load_results
-from adaserve.bench.sweep import DEFAULT_STARTUP_TIMEOUT_S, free_port, running_server, warm_up
+from adaserve.bench.sweep import (
+    DEFAULT_STARTUP_TIMEOUT_S,
+    comma_choices,
+    free_port,
+    running_server,
+    warm_up,
+)
 from adaserve.bench.trace import TraceRequest
 from adaserve.bench.workload import (
     add_workload_arguments,
@@ -62,13 +68,7 @@ CALIBRATION_ATTEMPTS = 2
 
 
 def _systems(text: str) -> list[str]:
-    names = [s.strip() for s in text.split(",") if s.strip()]
-    bad = [s for s in names if s not in SYSTEMS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"systems must be among {', '.join(SYSTEMS)}, got {text!r}"
-        )
-    return names
+    return comma_choices(text, SYSTEMS, "systems")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -45,14 +45,17 @@ SHUTDOWN_WAIT_S = 60.0
 WARMUP_MAX_TOKENS = 2
 
 
-def _policies(text: str) -> list[str]:
+def comma_choices(text: str, allowed: Sequence[str], what: str) -> list[str]:
+    """A comma list of names from `allowed` (an argparse type: says what is allowed)."""
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
+    bad = [p for p in names if p not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(
-            f"policies must be among {', '.join(POLICIES)}, got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"{what} must be among {', '.join(allowed)}, got {text!r}")
     return names
+
+
+def _policies(text: str) -> list[str]:
+    return comma_choices(text, POLICIES, "policies")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -160,20 +160,25 @@ def test_a_cold_calibration_prunes_nothing_until_it_has_seen_the_drafter():
     assert kept == [[0]], "once warm, a tree that costs more than it yields is dropped"
 
 
-def test_no_draft_prefill_while_drafting_is_off_and_output_stays_exact(pair):  # noqa: F811
-    prompts, params = PROMPTS * 3, greedy(30) * 3
-    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
-    engine = make_engine(pair["target"], pair["random"], "adaserve")
-    run(engine, PROMPTS, greedy(60))  # a random draft: control turns drafting off
-    draft = engine.engine.draft
+def count_fed_tokens(runner) -> list[int]:
+    """Record the tokens of every forward `runner` runs from now on (the list it fills)."""
     fed: list[int] = []
-    real = draft.forward
+    real = runner.forward
 
     def counting(batch, pad_to=None):
         fed.append(len(batch.token_ids))
         return real(batch, pad_to)
 
-    draft.forward = counting
+    runner.forward = counting
+    return fed
+
+
+def test_no_draft_prefill_while_drafting_is_off_and_output_stays_exact(pair):  # noqa: F811
+    prompts, params = PROMPTS * 3, greedy(30) * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], pair["random"], "adaserve")
+    run(engine, PROMPTS, greedy(60))  # a random draft: control turns drafting off
+    fed = count_fed_tokens(engine.engine.draft)
     ids = [engine.add_request(p, sp).request_id for p, sp in zip(prompts, params)]
     done, idle_prefill = {}, 0
     while engine.has_unfinished():
@@ -200,15 +205,7 @@ def test_a_draft_that_cannot_pay_at_this_load_gets_no_prompt_prefill(pair):  # n
     forward_ms = {n: 1000 * ctl.forward_s(n, 0) for n in (1, 2, 4, 8, 16, 32)}
     ctl.draft_cost = _cost({n: 10 * ms for n, ms in forward_ms.items()})
     assert not ctl.may_pay(len(prompts), SpecShape(depth=4, width=1), 0)
-    draft = engine.engine.draft
-    fed: list[int] = []
-    real = draft.forward
-
-    def counting(batch, pad_to=None):
-        fed.append(len(batch.token_ids))
-        return real(batch, pad_to)
-
-    draft.forward = counting
+    fed = count_fed_tokens(engine.engine.draft)
     got, stats = run(engine, prompts, params)
     assert got == ref, "skipping the draft's prompt catch-up changed the output"
     assert sum(s.prefill_tokens for s in stats) > 0

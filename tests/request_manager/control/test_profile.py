@@ -97,8 +97,11 @@ def test_profile_of_a_tiny_engine(tiny_llama: Path) -> None:
     assert [p.tokens for p in prof.draft] == [1, 2, 4, 8, 16, 32, 64]
     assert all(p.ms > 0 for p in prof.target + prof.draft)
     assert 1 <= prof.budget <= 16
-    # B is within the factor of the 1-token forward, by its own measurements.
-    assert prof.target_ms(prof.budget) <= prof.budget_factor * prof.target_ms(1) + 1e-9
+    # B follows the rule (tested on known curves above) on the profile's own measurements.
+    # (Not target_ms(B) <= factor x target_ms(1): a padded size or a CPU cliff lets B cost
+    # more than that by design, and a noisy run of this tiny model once showed it.)
+    measured = {p.tokens: p.ms for p in prof.target if p.context == prof.budget_context}
+    assert prof.budget == derive_budget(measured, prof.budget_factor)
     assert prof.baseline_latency_ms > 0
     for runner in (engine.target, engine.draft):
         assert runner is not None and runner.cache.allocator.num_used == 0, "profiling leaked KV"
