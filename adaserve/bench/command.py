@@ -43,20 +43,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_workload_arguments(p)
     sub = p.add_subparsers(dest="bench_mode", title="subcommands")
-    sp = sub.add_parser(
-        "sweep",
-        help="start a server per policy and replay at every RPS: the whole comparison",
-        description=sweep.__doc__.split("\n\n")[0] if sweep.__doc__ else None,
-        formatter_class=p.formatter_class,
-    )
-    sweep.add_arguments(sp)
-    cp = sub.add_parser(
-        "compare",
-        help="adaserve against llama-server on the same GGUF, a fresh server per point",
-        description=compare.__doc__.split("\n\n")[0] if compare.__doc__ else None,
-        formatter_class=p.formatter_class,
-    )
-    compare.add_arguments(cp)
+    for name, module, what in (
+        ("sweep", sweep, "start a server per policy and replay at every RPS: the whole comparison"),
+        ("compare", compare, "adaserve against llama-server on the same GGUF, fresh servers"),
+    ):
+        sp = sub.add_parser(
+            name,
+            help=what,
+            description=module.__doc__.split("\n\n")[0] if module.__doc__ else None,
+            formatter_class=p.formatter_class,
+        )
+        module.add_arguments(sp)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from adaserve.bench.report import load_results
 from adaserve.bench.sweep import (
     DEFAULT_STARTUP_TIMEOUT_S,
     comma_choices,
+    finish_runs,
     free_port,
     running_server,
     warm_up,
@@ -304,14 +305,7 @@ def run(args: argparse.Namespace) -> int:
                 continue
             print(one_line(result), flush=True)
             results.append(result)
-    if results:
-        print(compare_table(results))
-        plot = args.plot or str(Path(args.out).with_suffix(".png"))
-        print(f"wrote {plot_compare(results, plot)}", file=sys.stderr)
-    print(f"results appended to {args.out}; server logs in {log_dir}", file=sys.stderr)
-    if failed:
-        print(f"points that did not run: {', '.join(failed)}", file=sys.stderr)
-    return 1 if failed else 0
+    return finish_runs(args, results, failed, log_dir, compare_table, plot_compare, "points")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import httpx
@@ -189,13 +189,27 @@ def run(args: argparse.Namespace) -> int:
         except (RuntimeError, httpx.HTTPError) as exc:
             print(f"[{policy}] skipped: {exc}", file=sys.stderr, flush=True)
             failed.append(policy)
+    return finish_runs(args, results, failed, log_dir, format_table, plot_results, "policies")
+
+
+def finish_runs(
+    args: argparse.Namespace,
+    results: Sequence[dict],
+    failed: Sequence[str],
+    log_dir: Path,
+    table: Callable[[Sequence[dict]], str],
+    plot: Callable[[Sequence[dict], str], object],
+    what: str,
+) -> int:
+    """After the servers ran: the table, the plot (--plot, default OUT.png), where everything
+    went and what did not run (`what`: policies, points); 1 if something did not run."""
     if results:
-        print(format_table(results))
-        plot = args.plot or str(Path(args.out).with_suffix(".png"))
-        print(f"wrote {plot_results(results, plot)}", file=sys.stderr)
+        print(table(results))
+        path = args.plot or str(Path(args.out).with_suffix(".png"))
+        print(f"wrote {plot(results, path)}", file=sys.stderr)
     print(f"results appended to {args.out}; server logs in {log_dir}", file=sys.stderr)
     if failed:
-        print(f"policies that did not run: {', '.join(failed)}", file=sys.stderr)
+        print(f"{what} that did not run: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0
 
 
