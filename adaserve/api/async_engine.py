@@ -123,8 +123,10 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
         self._last_stats: object = None
-        # Event-loop side: requests submitted that have not produced a token yet.
+        # Event-loop side: requests submitted that have not produced a token yet, and
+        # requests submitted whose stream has not ended (a drain waits for this to reach 0).
         self.num_waiting = 0
+        self.num_open = 0
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -147,6 +149,7 @@ class AsyncEngine:
         """Queue a request; its stream yields Accepted or Rejected first, then Deltas."""
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self.num_waiting += 1
+        self.num_open += 1
         self._commands.put(
             _Add(
                 stream,
@@ -176,7 +179,9 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join, timeout_s)
 
     def _mark_done(self, stream: RequestStream) -> None:
-        stream.done = True
+        if not stream.done:
+            stream.done = True
+            self.num_open -= 1
         if not stream.started:
             stream.started = True
             self.num_waiting -= 1

@@ -205,7 +205,10 @@ def describe_api(app: FastAPI) -> None:
 
 
 class _GracefulServer(uvicorn.Server):
-    """uvicorn, plus: the moment a shutdown signal arrives, new requests get 503."""
+    """uvicorn, plus a drain: the moment a shutdown signal arrives, new requests get 503 and
+    /health says "draining", while the socket stays open; uvicorn's own shutdown (stop
+    listening, wait for connections) starts only once every running request has ended, or
+    at once on a second signal."""
 
     def __init__(
         self, config: uvicorn.Config, serving: OpenAIServing, drain_timeout_s: float | None
@@ -214,16 +217,31 @@ class _GracefulServer(uvicorn.Server):
         self.serving = serving
         self.drain_timeout_s = drain_timeout_s
         self._drain_timer: threading.Timer | None = None
+        self._drain_watch: threading.Thread | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_watch is not None:  # a second signal: stop waiting for the drain
+            super().handle_exit(sig, frame)
+            return
         self.serving.draining = True
-        if self.drain_timeout_s is not None and self._drain_timer is None:
+        if self.drain_timeout_s is not None:
             # At the end of the grace period every running request is finished with reason
             # "abort", so its client gets a final chunk instead of a cut connection.
             self._drain_timer = threading.Timer(self.drain_timeout_s, self.serving.engine.abort_all)
             self._drain_timer.daemon = True
             self._drain_timer.start()
-        super().handle_exit(sig, frame)
+        self._drain_watch = threading.Thread(
+            target=self._exit_when_drained, args=(sig,), name="adaserve-drain", daemon=True
+        )
+        self._drain_watch.start()
+
+    def _exit_when_drained(self, sig: int) -> None:
+        # Closing the socket at once would turn the drain's 503 + Retry-After (which a load
+        # balancer retries elsewhere) into connection-refused for as long as requests run.
+        engine = self.serving.engine
+        while engine.num_open > 0 and engine.alive and not self.should_exit:
+            time.sleep(0.05)
+        super().handle_exit(sig, None)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:

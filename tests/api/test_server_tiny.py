@@ -287,8 +287,12 @@ def test_drain_timeout_ends_running_streams_with_finish_reason_abort(tiny_llama)
     stopper = threading.Thread(target=srv.stop)
     stopper.start()  # SIGTERM
     wait_for(lambda: srv.app.state.serving.draining, 10, "draining to start")
+    # The socket stays open while the stream runs: a load balancer reads 503 + Retry-After,
+    # not connection-refused.
     health = httpx.get(f"{srv.url}/health", timeout=10)
     assert health.status_code == 503 and health.json()["status"] == "draining", health.text
+    late = complete(srv.url, max_tokens=4)
+    assert late.status_code == 503 and "retry-after" in late.headers, late.text
     timer = srv.server._drain_timer
     wait_for(lambda: timer is not None and not timer.is_alive(), 10, "the drain timeout")
     gate.open.set()  # one more step, then the engine applies the abort
