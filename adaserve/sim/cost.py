@@ -13,6 +13,12 @@ Roofline (per GPU, tensor parallel degree `tp`, one forward):
 
 Half-precision weights and KV. The efficiency factor (default 0.7) stands for what real
 kernels reach of the peaks; the per-layer overhead for kernel launches with CUDA graphs.
+
+Table (`table:TOKENS:MS,...@MODEL@GPU[xTP]`, or a named preset): a measured verify latency
+per token count, piecewise linear between the points, the first point's time below it and
+the last segment's slope above it; the context term is the roofline's of MODEL@GPU, what
+reading `context` KV entries and computing `pairs` attention pairs adds over a forward with
+no context (the table's own forwards ran at little context).
 """
 
 from __future__ import annotations
@@ -90,7 +96,43 @@ MODELS = {
         ModelSpec("llama-3.1-8b", 32, 4096, 32, 8, 14336, 128256),
         ModelSpec("llama-3.1-70b", 80, 8192, 64, 8, 28672, 128256),
         ModelSpec("llama-160m", 12, 768, 12, 12, 3072, 32000),
+        ModelSpec("qwen2.5-32b", 64, 5120, 40, 8, 27648, 152064),
     )
+}
+# The verify-latency tables of the AdaServe artifact (zikun-li/AdaServe-Artifact-Evaluation,
+# exps/test.sh): tokens in the forward -> ms, on the paper's 4 x A100-80G node. The artifact
+# lists 0 -> 0 as its first point; a forward of one token costs about the baseline latency
+# (30 ms for Llama-3.1-70B in the artifact; for Qwen2.5-32B the 128 -> 256 slope extended
+# down to one token gives 30 ms too), which is the point used instead.
+TABLE_PRESETS = {
+    "llama-3.1-70b-artifact": (
+        "llama-3.1-70b@a100-80gx4",
+        (
+            (1, 30.0),
+            (128, 55.0),
+            (256, 85.0),
+            (384, 105.0),
+            (512, 125.0),
+            (640, 145.0),
+            (768, 165.0),
+            (896, 185.0),
+            (1024, 205.0),
+        ),
+    ),
+    "qwen2.5-32b-artifact": (
+        "qwen2.5-32b@a100-80gx4",
+        (
+            (1, 30.0),
+            (128, 48.0),
+            (256, 66.0),
+            (384, 84.0),
+            (512, 104.0),
+            (640, 124.0),
+            (768, 144.0),
+            (896, 164.0),
+            (1024, 188.0),
+        ),
+    ),
 }
 
 
@@ -197,6 +239,66 @@ class RooflineCost(CostModel):
         return t + m.layers * per_layer
 
 
+class TableCost(CostModel):
+    """A measured tokens -> ms table, plus the roofline's context term of `context_of`."""
+
+    def __init__(
+        self, points: tuple[tuple[int, float], ...], context_of: RooflineCost, name: str
+    ) -> None:
+        pts = sorted(points)
+        if len(pts) < 2:
+            raise ValueError(f"a cost table needs at least two TOKENS:MS points, got {pts}")
+        tokens = [t for t, _ in pts]
+        if len(set(tokens)) != len(tokens) or tokens[0] < 1:
+            raise ValueError(f"table token counts must be distinct and >= 1, got {tokens}")
+        if any(ms <= 0 for _, ms in pts) or any(b[1] < a[1] for a, b in zip(pts, pts[1:])):
+            raise ValueError(f"table times must be > 0 and not fall as tokens grow, got {pts}")
+        self.points, self.context_of, self.name = tuple(pts), context_of, name
+        self.kv_tokens = context_of.kv_tokens
+
+    def table_ms(self, tokens: int) -> float:
+        """The table at `tokens`: flat below the first point, linear between points, the last
+        segment's slope beyond the last."""
+        pts = self.points
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        i = min(bisect.bisect_left([t for t, _ in pts], tokens), len(pts) - 1)
+        (t0, m0), (t1, m1) = pts[i - 1], pts[i]
+        return m0 + (tokens - t0) * (m1 - m0) / (t1 - t0)
+
+    def seconds(
+        self, tokens: int, context: int, pairs: int, silent: int = 0, silent_pairs: int = 0
+    ) -> float:
+        tokens = max(1, tokens)
+        roof = self.context_of
+        extra = roof.seconds(tokens, context, pairs) - roof.seconds(tokens, 0, 0)
+        return self.table_ms(tokens) / 1000.0 + extra
+
+
+def parse_table(spec: str, efficiency: float) -> TableCost:
+    """'PRESET' or 'TOKENS:MS,TOKENS:MS,...@MODEL@GPU[xTP]' (the part after 'table:')."""
+    if spec in TABLE_PRESETS:
+        preset_hw, preset = TABLE_PRESETS[spec]
+        roof = parse_roofline(preset_hw, efficiency)
+        return TableCost(preset, roof, f"table {spec} ({preset_hw})")
+    text, sep, hw = spec.partition("@")
+    if not sep:
+        raise ValueError(
+            f"a table cost model is table:TOKENS:MS,...@MODEL@GPU[xTP] (the model and GPU "
+            f"price the context) or one of {', '.join(TABLE_PRESETS)}; got {spec!r}"
+        )
+    points: list[tuple[int, float]] = []
+    for item in text.split(","):
+        t, colon, ms = item.partition(":")
+        try:
+            if not colon:
+                raise ValueError
+            points.append((int(t), float(ms)))
+        except ValueError:
+            raise ValueError(f"a table point is TOKENS:MS (e.g. 128:55), got {item!r}") from None
+    return TableCost(tuple(points), parse_roofline(hw, efficiency), f"table {text} ({hw})")
+
+
 class ProfileCost(CostModel):
     """The fitted cost model an `adaserve profile` (or a server's start-up profile) stored."""
 
@@ -243,13 +345,16 @@ def parse_roofline(spec: str, efficiency: float) -> RooflineCost:
 def load_cost(
     spec: str, draft_spec: str | None = None, efficiency: float = DEFAULT_EFFICIENCY
 ) -> CostSpec:
-    """`spec`: a profile JSON path or 'roofline:MODEL@GPU[xTP]'; `draft_spec` likewise."""
+    """`spec`: a profile JSON path, 'roofline:MODEL@GPU[xTP]' or 'table:...'; `draft_spec`
+    likewise."""
     return CostSpec(_one(spec, efficiency, "target"), _draft(spec, draft_spec, efficiency))
 
 
 def _one(spec: str, efficiency: float, which: str) -> CostModel:
     if spec.startswith("roofline:"):
         return parse_roofline(spec.removeprefix("roofline:"), efficiency)
+    if spec.startswith("table:"):
+        return parse_table(spec.removeprefix("table:"), efficiency)
     prof = Profile.load(spec)
     if which == "target":
         model = prof.forward_cost_model()
@@ -269,17 +374,24 @@ def _one(spec: str, efficiency: float, which: str) -> CostModel:
 
 def _draft(spec: str, draft_spec: str | None, efficiency: float) -> CostModel | None:
     if draft_spec is not None:
-        if draft_spec in MODELS and spec.startswith("roofline:"):
+        target = _one(spec, efficiency, "target") if _is_named(spec) else None
+        if draft_spec in MODELS and target is not None:
             # A bare model name: the draft runs on one GPU of the target's kind.
-            gpu = parse_roofline(spec.removeprefix("roofline:"), efficiency).gpu
-            return RooflineCost(MODELS[draft_spec], gpu, 1, efficiency)
+            roof = target.context_of if isinstance(target, TableCost) else target
+            assert isinstance(roof, RooflineCost)
+            return RooflineCost(MODELS[draft_spec], roof.gpu, 1, efficiency)
         return _one(draft_spec, efficiency, "draft")
-    if spec.startswith("roofline:"):
+    if _is_named(spec):
         return None
     try:
         return _one(spec, efficiency, "draft")
     except ValueError:
         return None
+
+
+def _is_named(spec: str) -> bool:
+    """A cost model from the command line itself (roofline or table), not a profile file."""
+    return spec.startswith(("roofline:", "table:"))
 
 
 def baseline_latency_ms(cost: CostModel, batch: int = 8, prompt: int = 32) -> float:

@@ -233,8 +233,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--cost-model",
         required=True,
-        help="a profile JSON (`adaserve profile`, or a server's start-up profile) or "
-        "roofline:MODEL@GPU[xTP], e.g. roofline:llama-2-70b@a100-80gx4",
+        help="a profile JSON (`adaserve profile`, or a server's start-up profile), "
+        "roofline:MODEL@GPU[xTP] (e.g. roofline:llama-2-70b@a100-80gx4), or a measured "
+        "table table:TOKENS:MS,...@MODEL@GPU[xTP] (the roofline prices the context) or "
+        "table:llama-3.1-70b-artifact / table:qwen2.5-32b-artifact",
     )
     p.add_argument(
         "--draft-cost-model",
