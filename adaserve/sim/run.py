@@ -73,6 +73,9 @@ class SimSetup:
     noise: ForwardNoise | None = None
     seed: int = 0
     drafter: str = "auto"  # model | suffix | auto (model when a draft cost exists)
+    # "queue": every request is served (the paper's systems); "slo": what `adaserve serve`
+    # does by default, a request its SLO cannot be met for is refused at arrival (a 429).
+    admission: str = "queue"
 
 
 @dataclass
@@ -145,6 +148,7 @@ def simulate(
     sched = Scheduler(cfg, engine, drafter, cost)
     pending = sorted(reqs, key=lambda r: r.send_time_s)
     live: list[tuple[BenchRequest, Request]] = []
+    refused: list[RequestRecord] = []
     stats = SimRun([], 0, 0, 0, 0, 0, 0, 0, num_blocks, 0.0, getattr(drafter, "name", "none"))
     bar = tqdm(total=len(pending), desc=desc, unit="req", disable=not progress, leave=False)
     start, i, done, stuck, last = time.perf_counter(), 0, 0, 0, None
@@ -153,7 +157,15 @@ def simulate(
             clock.jump_to(pending[i].send_time_s)
         now = clock()
         while i < len(pending) and pending[i].send_time_s <= now:
-            live.append((pending[i], _add(sched, pending[i], i, rng)))
+            why = (
+                sched.admission.refusal(pending[i].slo_tpot_ms)
+                if setup.admission == "slo"
+                else None
+            )
+            if why is not None:
+                refused.append(_refused(pending[i], why))
+            else:
+                live.append((pending[i], _add(sched, pending[i], i, rng)))
             i += 1
         plan = sched.schedule()  # the plan a real server would run, on the virtual clock
         changed = sched.commit(plan, engine.run(plan))
@@ -186,7 +198,7 @@ def simulate(
     bar.close()
     stats.wall_s = time.perf_counter() - start
     stats.preemptions = sched.num_preemptions
-    stats.records = [_record(b, r) for b, r in live]
+    stats.records = sorted([*(_record(b, r) for b, r in live), *refused], key=lambda r: r.index)
     return stats
 
 
@@ -201,6 +213,19 @@ def _add(sched: Scheduler, b: BenchRequest, i: int, rng: random.Random) -> Reque
     req = Request(f"sim-{i}", prompt, params, arrival_time=b.send_time_s)
     sched.add(req)
     return req
+
+
+def _refused(b: BenchRequest, why: str) -> RequestRecord:
+    # As the bench records a real server's 429: sent, no tokens, counted as missed.
+    return RequestRecord(
+        index=b.trace.index,
+        slo_category=b.slo_category,
+        slo_tpot_ms=b.slo_tpot_ms,
+        max_tokens=b.max_tokens,
+        scheduled_s=b.send_time_s,
+        sent_s=b.send_time_s,
+        error=f"HTTP 429: {why}",
+    )
 
 
 def _record(b: BenchRequest, r: Request) -> RequestRecord:
@@ -293,6 +318,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "the cost model; else none)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--admission",
+        choices=("queue", "slo"),
+        default="queue",
+        help="queue: serve every request (the paper's systems); slo: refuse at arrival what "
+        "the load cannot serve within its TPOT SLO, as `adaserve serve` does by default",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -320,6 +352,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         noise=ForwardNoise(a.noise) if a.noise is not None else cost.target.noise,
         seed=a.seed,
         drafter=a.drafter,
+        admission=a.admission,
     )
 
 
@@ -375,6 +408,7 @@ def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
         "noise": setup.noise.describe() if setup.noise else "none",
         "host_time": setup.host_time,
         "host_overhead_ms": 1000.0 * setup.host_overhead_s,
+        "admission": setup.admission,
         "wall_s": sim.wall_s,
     }
     return result
