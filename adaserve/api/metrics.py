@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server. This module owns every metric name (prefix `adaserve_`).
+"""Prometheus metrics of the server. This module owns every metric name: prefix `adaserve_`,
+plus the three `vllm:` gauges Kubernetes' Gateway API Inference Extension reads to pick a pod.
 
 Each server builds its own `ServerMetrics` over a private `CollectorRegistry`, so several apps
 can live in one process (tests). The engine thread records iterations and finished requests;
@@ -73,9 +74,10 @@ class FinishedRequest:
 
 
 class ServerMetrics:
-    """Every metric the server exports, registered in a registry of its own."""
+    """Every metric the server exports, registered in a registry of its own. `model_name`
+    (the served model name) is the `model_name` label of the vllm: gauges."""
 
-    def __init__(self, slo_classes: tuple[tuple[str, float], ...]) -> None:
+    def __init__(self, slo_classes: tuple[tuple[str, float], ...], model_name: str = "") -> None:
         self.slo_classes = slo_classes
         self.registry = r = CollectorRegistry()
         cls = ["slo_class"]
@@ -173,6 +175,29 @@ class ServerMetrics:
         self.kv_total = Gauge(
             "adaserve_kv_blocks_total", "Target KV-cache blocks in the pool", registry=r
         )
+        # The same engine state under vLLM's names, labelled like vLLM's, because the Gateway API
+        # Inference Extension's endpoint picker reads exactly these (its "model server
+        # protocol"). Colons are legal in Prometheus metric names, and prometheus-client accepts
+        # them in both its name-validation modes.
+        model = ["model_name"]
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running",
+            "Requests in the running batch (adaserve_num_requests_running)",
+            model,
+            registry=r,
+        ).labels(model_name)
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting",
+            "Requests queued, not yet running (adaserve_num_requests_waiting)",
+            model,
+            registry=r,
+        ).labels(model_name)
+        self.vllm_kv_usage = Gauge(
+            "vllm:kv_cache_usage_perc",
+            "Target KV-cache usage as a ratio, 1 = full (kv_blocks_used / kv_blocks_total)",
+            model,
+            registry=r,
+        ).labels(model_name)
         self.preemptions = Counter(
             "adaserve_preemptions",
             "Requests preempted to free KV blocks (recomputed later)",
@@ -376,6 +401,9 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)
         self.kv_total.set(kv_total)
+        self.vllm_running.set(running)
+        self.vllm_waiting.set(waiting)
+        self.vllm_kv_usage.set(kv_used / kv_total if kv_total > 0 else 0.0)
         if preemptions > self._seen_preemptions:
             self.preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions

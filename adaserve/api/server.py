@@ -56,13 +56,13 @@ def served_model_name(engine: LLMEngine, cfg: ServerConfig) -> str:
 
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
-    metrics = ServerMetrics(cfg.slo_classes)
+    name = served_model_name(engine, cfg)
+    metrics = ServerMetrics(cfg.slo_classes, model_name=name)
     drafter = engine.scheduler.drafter
     drafter_name = drafter.name if drafter is not None else "none"
     metrics.drafter_info.labels(engine.sched_cfg.policy, drafter_name).set(1)
     metrics.backend_info.labels(getattr(engine.engine, "backend", "torch")).set(1)
     async_engine = AsyncEngine(engine, metrics, cfg.admission)
-    name = served_model_name(engine, cfg)
     serving = OpenAIServing(async_engine, cfg, name, engine.sched_cfg.max_waiting)
     created = int(time.time())
 

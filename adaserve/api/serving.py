@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from fastapi import Request
@@ -45,6 +46,33 @@ from adaserve.api.protocol import (
     describe_validation_error,
 )
 from adaserve.config import ServerConfig
+
+# SLOs given as request headers, for clients and proxies that set headers but do not rewrite
+# bodies (a Gateway API HTTPRoute filter, an ingress annotation). The body field wins when a
+# request carries both.
+SLO_HEADERS = {"x-slo-tpot-ms": "slo_tpot_ms", "x-slo-ttft-ms": "slo_ttft_ms"}
+
+
+def slo_from_headers(headers: Mapping[str, str]) -> dict[str, float]:
+    """{field: value} of the SLO headers present; a value that is not a number > 0 is a 400."""
+    found: dict[str, float] = {}
+    for header, field in SLO_HEADERS.items():
+        raw = headers.get(header)
+        if raw is None:
+            continue
+        try:
+            value = float(raw)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise APIError(
+                400,
+                f"header {header} must be a number of milliseconds greater than 0 (like the "
+                f"body field {field}), got {raw!r}",
+                param=header,
+            )
+        found[field] = value
+    return found
 
 
 def _reject_constant(name: str) -> Any:
@@ -124,7 +152,12 @@ class OpenAIServing:
                 param="model",
                 code="model_not_found",
             )
-        return body
+        from_headers = {
+            field: value
+            for field, value in slo_from_headers(request.headers).items()
+            if getattr(body, field) is None
+        }
+        return body.model_copy(update=from_headers) if from_headers else body
 
     def _admit(self) -> None:
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
