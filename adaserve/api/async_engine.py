@@ -334,6 +334,8 @@ class AsyncEngine:
             slo_attained=m.slo_attained,
             slo_ttft_ms=m.slo_ttft_ms,
             ttft_attained=m.ttft_attained,
+            tpot_attained=m.tpot_attained,
+            ttft_objective_ms=m.ttft_objective_ms,
             num_prompt_tokens=len(out.prompt_token_ids),
             num_output_tokens=m.num_output_tokens,
             ttft_s=m.ttft_s,

@@ -61,7 +61,7 @@ class FinishedRequest:
     finish_reason: str  # stop | length | abort | error
     slo_tpot_ms: float | None
     slo_class: str
-    slo_attained: bool | None  # None: no SLO
+    slo_attained: bool | None  # TPOT and first token within their objectives; None: no SLO
     num_prompt_tokens: int
     num_output_tokens: int
     ttft_s: float | None
@@ -70,7 +70,9 @@ class FinishedRequest:
     spec_tree_tokens: int
     spec_accepted_tokens: int
     slo_ttft_ms: float | None = None
-    ttft_attained: bool | None = None  # None: no TTFT SLO
+    ttft_attained: bool | None = None  # first token within its objective; None: no objective
+    tpot_attained: bool | None = None  # TPOT alone within slo_tpot_ms; None: no SLO
+    ttft_objective_ms: float | None = None  # slo_ttft_ms, else the server's default objective
 
 
 class ServerMetrics:
@@ -95,11 +97,27 @@ class ServerMetrics:
             registry=r,
         )
         self.slo_attained = Counter(
-            "adaserve_slo_attained", "Finished requests whose TPOT met their SLO", cls, registry=r
+            "adaserve_slo_attained",
+            "Finished requests whose TPOT met their SLO and whose first token met its objective",
+            cls,
+            registry=r,
         )
         self.slo_violated = Counter(
             "adaserve_slo_violated",
-            "Finished requests whose TPOT exceeded their SLO",
+            "Finished requests whose TPOT exceeded their SLO or whose first token came too late",
+            cls,
+            registry=r,
+        )
+        # The paper's attainment, which ignores the first token: kept for comparison.
+        self.tpot_attained = Counter(
+            "adaserve_tpot_slo_attained",
+            "Finished requests whose TPOT met their SLO (first token not counted)",
+            cls,
+            registry=r,
+        )
+        self.tpot_violated = Counter(
+            "adaserve_tpot_slo_violated",
+            "Finished requests whose TPOT exceeded their SLO (first token not counted)",
             cls,
             registry=r,
         )
@@ -111,13 +129,14 @@ class ServerMetrics:
         )
         self.ttft_attained = Counter(
             "adaserve_ttft_slo_attained",
-            "Finished requests with a TTFT SLO (slo_ttft_ms) whose first token met it",
+            "Finished requests whose first token met its objective (slo_ttft_ms, else the "
+            "default from the prompt length)",
             cls,
             registry=r,
         )
         self.ttft_violated = Counter(
             "adaserve_ttft_slo_violated",
-            "Finished requests with a TTFT SLO whose first token came too late",
+            "Finished requests whose first token came after its objective",
             cls,
             registry=r,
         )
@@ -359,6 +378,10 @@ class ServerMetrics:
             self.goodput_tokens.labels(c).inc(req.num_output_tokens)
         elif req.slo_attained is False:
             self.slo_violated.labels(c).inc()
+        if req.tpot_attained is True:
+            self.tpot_attained.labels(c).inc()
+        elif req.tpot_attained is False:
+            self.tpot_violated.labels(c).inc()
         if req.ttft_attained is True:
             self.ttft_attained.labels(c).inc()
         elif req.ttft_attained is False:

@@ -321,9 +321,13 @@ class AdaserveInfo(_Response):
     e2e_ms: float | None
     slo_tpot_ms: float | None
     slo_class: str
-    slo_attained: bool | None  # None: the request had no SLO
+    # TPOT within slo_tpot_ms and the first token within its objective; None: no SLO.
+    slo_attained: bool | None
     slo_ttft_ms: float | None = None
-    ttft_attained: bool | None = None  # None: no TTFT SLO
+    # The first token's objective: slo_ttft_ms, else the default from the prompt length.
+    ttft_objective_ms: float | None = None
+    ttft_attained: bool | None = None  # None: no objective
+    tpot_attained: bool | None = None  # TPOT alone (the paper's attainment); None: no SLO
     spec_tree_tokens: int  # speculated tokens the target verified for this request
     spec_accepted_tokens: int  # of which accepted
 

@@ -93,7 +93,9 @@ def adaserve_info(s: FinishedRequest) -> AdaserveInfo:
         slo_class=s.slo_class,
         slo_attained=s.slo_attained,
         slo_ttft_ms=s.slo_ttft_ms,
+        ttft_objective_ms=s.ttft_objective_ms,
         ttft_attained=s.ttft_attained,
+        tpot_attained=s.tpot_attained,
         spec_tree_tokens=s.spec_tree_tokens,
         spec_accepted_tokens=s.spec_accepted_tokens,
     )

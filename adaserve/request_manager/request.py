@@ -63,6 +63,9 @@ class RequestMetrics:
     num_output_tokens: int = 0
     slo_tpot_ms: float | None = None
     slo_ttft_ms: float | None = None
+    # The first token's objective: slo_ttft_ms, else the scheduler's default from the prompt
+    # length (`slo.ttft_objective_ms`), set when the scheduler takes the request.
+    ttft_objective_ms: float | None = None
     token_times: list[float] = field(default_factory=list)  # emit time of every output token
     # Speculation statistics.
     num_iterations: int = 0
@@ -84,7 +87,7 @@ class RequestMetrics:
         )
 
     @property
-    def slo_attained(self) -> bool | None:
+    def tpot_attained(self) -> bool | None:
         """TPOT within the SLO (a single-token answer trivially meets it); None without an SLO."""
         if self.slo_tpot_ms is None:
             return None
@@ -93,10 +96,21 @@ class RequestMetrics:
 
     @property
     def ttft_attained(self) -> bool | None:
-        """First token within the TTFT SLO; None without one (or before the first token)."""
-        if self.slo_ttft_ms is None or self.ttft_s is None:
+        """First token within its objective (`ttft_objective_ms`, else `slo_ttft_ms`); None
+        without one (or before the first token)."""
+        objective = (
+            self.ttft_objective_ms if self.ttft_objective_ms is not None else self.slo_ttft_ms
+        )
+        if objective is None or self.ttft_s is None:
             return None
-        return 1000.0 * self.ttft_s <= self.slo_ttft_ms
+        return 1000.0 * self.ttft_s <= objective
+
+    @property
+    def slo_attained(self) -> bool | None:
+        """The SLO met as its user sees it: TPOT within `slo_tpot_ms` and the first token
+        within its objective; None without a TPOT SLO."""
+        tpot = self.tpot_attained
+        return None if tpot is None else tpot and self.ttft_attained is not False
 
     @property
     def e2e_s(self) -> float | None:
@@ -151,10 +165,8 @@ class Request:
             arrival_time if arrival_time is not None else time.monotonic(),
             slo_tpot_ms=params.slo_tpot_ms,
             slo_ttft_ms=params.slo_ttft_ms,
+            ttft_objective_ms=params.slo_ttft_ms,
         )
-        # The first token's objective (ms from arrival): slo_ttft_ms, else the scheduler's
-        # default from the prompt length (`slo.ttft_objective_ms`); chunked prefill meets it.
-        self.ttft_objective_ms: float | None = params.slo_ttft_ms
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0
@@ -173,6 +185,15 @@ class Request:
         self.stop_text: str | None = None
         self.sent_text_len = 0
         self.sent_token_len = 0
+
+    @property
+    def ttft_objective_ms(self) -> float | None:
+        """The first token's objective (ms from arrival), which chunked prefill meets."""
+        return self.metrics.ttft_objective_ms
+
+    @ttft_objective_ms.setter
+    def ttft_objective_ms(self, ms: float | None) -> None:
+        self.metrics.ttft_objective_ms = ms
 
     @property
     def all_token_ids(self) -> list[int]:

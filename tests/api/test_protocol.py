@@ -147,6 +147,20 @@ def test_violation_counts_no_goodput() -> None:
     assert 'adaserve_goodput_tokens_total{slo_class="fast"} 0.0' in text
 
 
+def test_a_late_first_token_is_a_violation_but_the_tpot_only_counter_keeps_it() -> None:
+    m = ServerMetrics(parse_slo_classes("fast=50"))
+    late = FinishedRequest(
+        "length", 40.0, "fast", False, 3, 10, 9.0, 30.0, 9.5, 0, 0,
+        ttft_attained=False, tpot_attained=True, ttft_objective_ms=2000.0,
+    )  # fmt: skip
+    m.observe_finished(late)
+    text = m.render().decode()
+    assert 'adaserve_slo_violated_total{slo_class="fast"} 1.0' in text
+    assert 'adaserve_goodput_tokens_total{slo_class="fast"} 0.0' in text
+    assert 'adaserve_tpot_slo_attained_total{slo_class="fast"} 1.0' in text
+    assert 'adaserve_ttft_slo_violated_total{slo_class="fast"} 1.0' in text
+
+
 def test_serve_flags_reach_the_configs() -> None:
     a = build_parser().parse_args(
         [

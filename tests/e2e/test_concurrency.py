@@ -77,7 +77,9 @@ def test_32_streaming_clients_with_three_slos_are_counted_by_class(url: str) -> 
         assert r["usage"].completion_tokens == MAX_TOKENS, f"client {i} got {r['usage']}"
         assert r["slo_class"] == classes[i] and r["slo_tpot_ms"] == SLOS[classes[i]], r
         assert isinstance(r["tpot_ms"], float) and r["tpot_ms"] > 0, r
-        assert r["slo_attained"] == (r["tpot_ms"] <= r["slo_tpot_ms"]), f"client {i}: {r}"
+        assert r["tpot_attained"] == (r["tpot_ms"] <= r["slo_tpot_ms"]), f"client {i}: {r}"
+        assert r["ttft_attained"] == (r["ttft_ms"] <= r["ttft_objective_ms"]), f"client {i}: {r}"
+        assert r["slo_attained"] == (r["tpot_attained"] and r["ttft_attained"]), f"client {i}: {r}"
 
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
@@ -87,6 +89,10 @@ def test_32_streaming_clients_with_three_slos_are_counted_by_class(url: str) -> 
         met = [r for r in mine if r["slo_attained"]]
         assert delta("adaserve_slo_attained_total", slo_class=cls) == len(met), cls
         assert delta("adaserve_slo_violated_total", slo_class=cls) == len(mine) - len(met), cls
+        tpot_met = sum(bool(r["tpot_attained"]) for r in mine)
+        assert delta("adaserve_tpot_slo_attained_total", slo_class=cls) == tpot_met, cls
+        ttft_met = sum(bool(r["ttft_attained"]) for r in mine)
+        assert delta("adaserve_ttft_slo_attained_total", slo_class=cls) == ttft_met, cls
         assert delta("adaserve_goodput_tokens_total", slo_class=cls) == MAX_TOKENS * len(met)
         assert delta("adaserve_time_per_output_token_seconds_count", slo_class=cls) == len(mine)
     assert delta("adaserve_requests_total", finish_reason="length") == NUM_CLIENTS

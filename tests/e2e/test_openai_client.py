@@ -95,7 +95,12 @@ def test_streamed_completion_equals_llm_generate(client: openai.OpenAI, referenc
     final = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(final) == 1 and final[0].choices[0].finish_reason == want.finish_reason
     info = final[0].model_extra["adaserve"]
-    assert info["slo_tpot_ms"] == 5000 and info["slo_attained"] is True, info
+    assert info["slo_tpot_ms"] == 5000 and info["tpot_attained"] is True, info
+    # Every request has a first-token objective (the default from its prompt length) and
+    # attains its SLO only when the first token met it too.
+    assert info["ttft_objective_ms"] >= 1000 and info["slo_ttft_ms"] is None, info
+    assert info["ttft_attained"] == (info["ttft_ms"] <= info["ttft_objective_ms"]), info
+    assert info["slo_attained"] == info["ttft_attained"], info
     assert info["tpot_ms"] <= 5000 and info["slo_class"] == "relaxed", info
     usage = chunks[-1].usage
     assert usage is not None and usage.completion_tokens == len(want.token_ids), chunks[-1]
