@@ -53,8 +53,9 @@ class Admission:
         assert self.cost is not None
         return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
 
-    def predicted_tpot_s(self) -> float | None:
-        """Seconds per output token a request admitted now would see once it decodes, over
+    def predicted_tpot_s(self, extra: int = 1) -> float | None:
+        """Seconds per output token a request admitted now (with `extra` - 1 more after it)
+        would see once it decodes, over
         the tokens per request iterations have recently emitted. The iteration: the cost
         model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
         one token each), or, while requests decode, the recent period of decode-only
@@ -65,7 +66,7 @@ class Admission:
             return None
         running, prefilling, waiting = self.queues()
         reqs = [*running, *prefilling, *waiting]
-        n = min(len(reqs) + 1, self.cfg.max_num_seqs)
+        n = min(len(reqs) + extra, self.cfg.max_num_seqs)
         context = sum(r.num_tokens for r in reqs[:n])
         iteration = self.iteration_s(n, context)
         if self.cfg.chunked_prefill and prefilling:

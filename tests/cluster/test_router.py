@@ -1,0 +1,95 @@
+"""The SLO-aware router ranks replicas by what they can still promise."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from adaserve.cluster.router import ReplicaStats, Router
+
+
+def router(policy: str, stats: list[ReplicaStats]) -> Router:
+    r = Router(policy, len(stats), headroom=0.85)
+    r.refresh(stats)
+    return r
+
+
+def test_only_replicas_that_can_meet_the_slo_are_ranked() -> None:
+    r = router("slo", [ReplicaStats(9, 60.0, 5.0), ReplicaStats(3, 30.0, 5.0)])
+    assert r.rank(50.0) == [1], "60 ms predicted cannot meet 0.85 x 50 ms"
+    assert r.rank(200.0) == [0, 1], "a loose request: best fit first (the busier replica)"
+    assert r.rank(20.0) == [], "nobody can: the cluster refuses"
+
+
+def test_tight_requests_go_where_the_room_is_and_loose_ones_fill_the_busy_replica() -> None:
+    r = router("slo", [ReplicaStats(2, 20.0, 2.0), ReplicaStats(6, 24.0, 2.0)])
+    assert r.rank(30.0) == [0, 1], "tight (30 <= 1.5 x 20 ms): the most headroom first"
+    assert r.rank(150.0) == [1, 0], "loose: the replica with the least headroom left"
+    assert r.rank(25.0) == [0], "24 ms cannot meet 0.85 x 25 ms"
+
+
+def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
+    r = router("slo", [ReplicaStats(1, 24.0, 3.0, tightest_slo_ms=30.0), ReplicaStats(4, 40.0, 3.0)])
+    # 24 ms is within 0.85 x 30 = 25.5 ms, but admitting pushes it toward the 30 ms request's
+    # bound; a loose request that replica 1 can take goes there.
+    assert r.rank(500.0) == [1, 0]
+    r.routed(0)  # one reservation: 27 ms predicted > 25.5 ms
+    assert r.rank(500.0) == [1], "replica 0 would break its 30 ms request"
+
+
+def test_reservations_spread_a_burst_until_the_next_refresh() -> None:
+    stats = [ReplicaStats(0, 10.0, 1.0), ReplicaStats(0, 10.5, 1.0)]
+    r = router("slo", stats)
+    firsts = []
+    for _ in range(6):
+        first = r.rank(15.0)[0]  # tight: the lowest predicted TPOT that fits 12.75 ms
+        r.routed(first)
+        firsts.append(first)
+    assert firsts == [0, 1, 0, 1, 0, 1], "stale stats alone would send the burst to one replica"
+    assert r.predicted_tpot_ms(0) == 10.0 + 3 * 1.0
+    assert r.rank(15.0) == [], "the reservations fill both replicas: refused until a refresh"
+    r.refresh(stats)
+    assert r.reserved == [0, 0] and r.rank(15.0) == [0, 1]
+
+
+def test_round_robin_and_pow2() -> None:
+    rr = router("round_robin", [ReplicaStats(0, 1.0, 0.0)] * 3)
+    assert [rr.rank(None)[0] for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    loads = [ReplicaStats(n, 1.0, 0.0) for n in (5, 1, 9, 3)]
+    p2 = router("pow2", loads)
+    for _ in range(50):
+        ranked = p2.rank(None)
+        assert sorted(ranked) == [0, 1, 2, 3]
+        assert loads[ranked[0]].num_requests <= loads[ranked[1]].num_requests
+    with pytest.raises(ValueError, match="unknown router 'fastest'"):
+        Router("fastest", 2)
+
+
+replica = st.builds(
+    ReplicaStats,
+    st.integers(0, 64),
+    st.floats(1.0, 200.0),
+    st.floats(0.0, 20.0),
+    st.one_of(st.just(math.inf), st.floats(5.0, 300.0)),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(replica, min_size=1, max_size=8), st.floats(5.0, 400.0), st.integers(0, 8))
+def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> None:
+    r = router("slo", stats)
+    for _ in range(reserve):
+        r.routed(reserve % len(stats))
+    ranked = r.rank(slo)
+    feasible = {
+        i
+        for i, s in enumerate(stats)
+        if r.predicted_tpot_ms(i) <= 0.85 * min(slo, s.tightest_slo_ms)
+    }
+    assert set(ranked) == feasible and len(ranked) == len(feasible)
+    tpots = [r.predicted_tpot_ms(i) for i in ranked]
+    # Tight requests get the most room first, loose ones the least room that still fits.
+    assert tpots == sorted(tpots) or tpots == sorted(tpots, reverse=True)
