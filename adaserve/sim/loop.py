@@ -152,7 +152,10 @@ def simulate(
         _replica(setup, rng if k == 0 else random.Random(setup.seed + k), num_blocks)
         for k in range(setup.replicas)
     ]
-    router = Router(setup.router, len(reps), setup.sched.slo_headroom, setup.seed)
+    cfg = setup.sched
+    router = Router(
+        setup.router, len(reps), cfg.slo_headroom, setup.seed, cfg.default_ttft_floor_ms / 1000
+    )
     refresh_at = -math.inf
     pending = sorted(reqs, key=lambda r: r.send_time_s)
     live: list[tuple[BenchRequest, Request]] = []

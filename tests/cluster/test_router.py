@@ -20,24 +20,44 @@ def router(policy: str, stats: list[ReplicaStats]) -> Router:
 def test_only_replicas_that_can_meet_the_slo_are_ranked() -> None:
     r = router("slo", [ReplicaStats(9, 60.0, 5.0), ReplicaStats(3, 30.0, 5.0)])
     assert r.rank(50.0) == [1], "60 ms predicted cannot meet 0.85 x 50 ms"
-    assert r.rank(200.0) == [0, 1], "a loose request: best fit first (the busier replica)"
+    assert r.rank(200.0) == [1, 0], "a loose request: the fewest requests first"
     assert r.rank(20.0) == [], "nobody can: the cluster refuses"
 
 
-def test_tight_requests_go_where_the_room_is_and_loose_ones_fill_the_busy_replica() -> None:
+def test_tight_requests_go_where_the_room_is_and_loose_ones_where_the_queue_is_short() -> None:
     r = router("slo", [ReplicaStats(2, 20.0, 2.0), ReplicaStats(6, 24.0, 2.0)])
     assert r.rank(30.0) == [0, 1], "tight (30 <= 1.5 x 20 ms): the most headroom first"
-    assert r.rank(150.0) == [1, 0], "loose: the replica with the least headroom left"
+    assert r.rank(150.0) == [0, 1], "loose: the replica with the fewest requests"
     assert r.rank(25.0) == [0], "24 ms cannot meet 0.85 x 25 ms"
 
 
+def test_loose_requests_keep_away_from_replicas_that_hold_tight_ones() -> None:
+    # Replica 0 serves a 30 ms request; replica 1 only 400 ms ones, and more of them.
+    r = router("slo", [ReplicaStats(2, 18.0, 1.0, 30.0), ReplicaStats(6, 20.0, 1.0, 400.0)])
+    assert r.rank(400.0) == [1, 0], "a loose stream would eat into the 30 ms request's room"
+    assert r.rank(25.0) == [0, 1], "a tight one goes where the room is"
+
+
 def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
-    r = router("slo", [ReplicaStats(1, 24.0, 3.0, tightest_slo_ms=30.0), ReplicaStats(4, 40.0, 3.0)])
-    # 24 ms is within 0.85 x 30 = 25.5 ms, but admitting pushes it toward the 30 ms request's
-    # bound; a loose request that replica 1 can take goes there.
-    assert r.rank(500.0) == [1, 0]
+    stats = [ReplicaStats(1, 24.0, 3.0, 30.0), ReplicaStats(4, 40.0, 3.0, 45.0)]
+    r = router("slo", stats)
+    # Replica 1 already runs past 0.85 x its 45 ms request. Replica 0 at 24 ms is within
+    # 0.85 x 30 = 25.5 ms: a loose request may go there, until one more would push it past
+    # its 30 ms request's bound.
+    assert r.rank(500.0) == [0]
     r.routed(0)  # one reservation: 27 ms predicted > 25.5 ms
-    assert r.rank(500.0) == [1], "replica 0 would break its 30 ms request"
+    assert r.rank(500.0) == [], "every replica would break a request it holds: refuse"
+
+
+def test_a_replica_whose_prompt_backlog_outlasts_a_first_token_is_not_packed() -> None:
+    # Both predict a TPOT a loose request tolerates; replica 1 is the better fit by TPOT but
+    # has 3 s of prompts queued, past any default first-token objective (1 s floor).
+    stats = [ReplicaStats(4, 20.0, 1.0), ReplicaStats(300, 40.0, 1.0, backlog_s=3.0)]
+    r = router("slo", stats)
+    assert r.rank(400.0) == [0]
+    assert r.fallback() == 0
+    r.refresh([stats[0], ReplicaStats(8, 40.0, 1.0, backlog_s=0.4)])
+    assert r.rank(400.0) == [0, 1], "a short backlog: feasible again"
 
 
 def test_reservations_spread_a_burst_until_the_next_refresh() -> None:
@@ -74,6 +94,7 @@ replica = st.builds(
     st.floats(1.0, 200.0),
     st.floats(0.0, 20.0),
     st.one_of(st.just(math.inf), st.floats(5.0, 300.0)),
+    st.floats(0.0, 2.0),
 )
 
 
@@ -87,9 +108,14 @@ def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> No
     feasible = {
         i
         for i, s in enumerate(stats)
-        if r.predicted_tpot_ms(i) <= 0.85 * min(slo, s.tightest_slo_ms)
+        if r.predicted_tpot_ms(i) <= 0.85 * min(slo, s.tightest_slo_ms) and s.backlog_s <= 1.0
     }
     assert set(ranked) == feasible and len(ranked) == len(feasible)
-    tpots = [r.predicted_tpot_ms(i) for i in ranked]
-    # Tight requests get the most room first, loose ones the least room that still fits.
-    assert tpots == sorted(tpots) or tpots == sorted(tpots, reverse=True)
+    tight = slo <= 1.5 * min(r.predicted_tpot_ms(i) for i in range(len(stats)))
+    if tight:  # the most room first
+        keys = [r.predicted_tpot_ms(i) for i in ranked]
+    else:  # replicas holding no tighter request first, then the shortest queue
+        keys = [
+            (stats[i].tightest_slo_ms < slo, stats[i].num_requests + r.reserved[i]) for i in ranked
+        ]
+    assert keys == sorted(keys)

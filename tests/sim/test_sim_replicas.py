@@ -14,9 +14,7 @@ from tests.sim.test_simulate import ConstantCost, LinearCost, bench_requests, se
 def test_two_replicas_serve_two_requests_as_fast_as_one_serves_one() -> None:
     c = 0.02
     alone = simulate(bench_requests(1, 0.0), setup("incremental", ConstantCost(c)))
-    both = simulate(
-        bench_requests(2, 0.0), setup("incremental", ConstantCost(c), replicas=2)
-    )
+    both = simulate(bench_requests(2, 0.0), setup("incremental", ConstantCost(c), replicas=2))
     one = alone.records[0]
     for r in both.records:
         assert r.token_times_s == pytest.approx(one.token_times_s), "replicas did not overlap"
