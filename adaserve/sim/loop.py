@@ -14,7 +14,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tqdm import tqdm
 
@@ -263,6 +263,11 @@ def _add(sched: Scheduler, b: BenchRequest, i: int, rng: random.Random) -> Reque
 
 def _refused(b: BenchRequest, why: str) -> RequestRecord:
     # As the bench records a real server's 429: sent, no tokens, counted as missed.
+    return replace(_sent(b), error=f"HTTP 429: {why}")
+
+
+def _sent(b: BenchRequest) -> RequestRecord:
+    """The record of `b` sent at its arrival time, before anything came back."""
     return RequestRecord(
         index=b.trace.index,
         slo_category=b.slo_category,
@@ -270,19 +275,13 @@ def _refused(b: BenchRequest, why: str) -> RequestRecord:
         max_tokens=b.max_tokens,
         scheduled_s=b.send_time_s,
         sent_s=b.send_time_s,
-        error=f"HTTP 429: {why}",
     )
 
 
 def _record(b: BenchRequest, r: Request) -> RequestRecord:
     m = r.metrics
-    return RequestRecord(
-        index=b.trace.index,
-        slo_category=b.slo_category,
-        slo_tpot_ms=b.slo_tpot_ms,
-        max_tokens=b.max_tokens,
-        scheduled_s=b.send_time_s,
-        sent_s=b.send_time_s,
+    return replace(
+        _sent(b),
         token_times_s=list(m.token_times),
         output_tokens=len(r.output_token_ids),
         end_s=m.finish_time,
