@@ -127,6 +127,8 @@ class AsyncEngine:
         # requests submitted whose stream has not ended (a drain waits for this to reach 0).
         self.num_waiting = 0
         self.num_open = 0
+        self.idle = threading.Event()  # set while num_open is 0 (a drain waits on it)
+        self.idle.set()
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -150,6 +152,7 @@ class AsyncEngine:
         stream = RequestStream(request_id, asyncio.get_running_loop())
         self.num_waiting += 1
         self.num_open += 1
+        self.idle.clear()
         self._commands.put(
             _Add(
                 stream,
@@ -182,6 +185,8 @@ class AsyncEngine:
         if not stream.done:
             stream.done = True
             self.num_open -= 1
+            if self.num_open == 0:
+                self.idle.set()
         if not stream.started:
             stream.started = True
             self.num_waiting -= 1

@@ -238,9 +238,9 @@ class _GracefulServer(uvicorn.Server):
     def _exit_when_drained(self, sig: int) -> None:
         # Closing the socket at once would turn the drain's 503 + Retry-After (which a load
         # balancer retries elsewhere) into connection-refused for as long as requests run.
-        engine = self.serving.engine
-        while engine.num_open > 0 and engine.alive and not self.should_exit:
-            time.sleep(0.05)
+        # Every open request ends: it finishes, the drain timeout aborts it, or a dead engine
+        # fails it; each end is marked on the event loop, the last one sets `idle`.
+        self.serving.engine.idle.wait()
         super().handle_exit(sig, None)
 
     @contextlib.contextmanager
