@@ -162,6 +162,10 @@ class SchedulerConfig:
     # Suffix drafter: longest n-gram matched, shortest match used, occurrences per tree,
     # weight of a global-cache occurrence against a request-local one, additive smoothing,
     # and the global cache of finished outputs in tokens (0: request-local only).
+    # suffix_max_depth: its trees' depth bound. A lookup costs no draft step per level, so
+    # its trees may grow deeper than max_depth (which bounds a draft model's steps), up to
+    # the request's share of the budget; speculation control prunes what does not pay.
+    suffix_max_depth: int = 16
     suffix_max_ngram: int = 8
     suffix_min_match: int = 2
     suffix_max_matches: int = 32
@@ -228,6 +232,7 @@ class SchedulerConfig:
             "max_width",
             "n_max",
             "gamma",
+            "suffix_max_depth",
             "suffix_max_ngram",
             "suffix_min_match",
             "suffix_max_matches",

@@ -280,3 +280,23 @@ def test_touch_keeps_the_order_of_the_docs_used() -> None:
     tree = build_suffix_tree(2, [1, 2], None, cache, depth=1, max_nodes=8)
     assert tree_paths(tree) == pytest.approx({(5,): 0.5 / 2, (6,): 0.5 / 2}), "two global docs"
     assert cache.doc_ids == [unused, first, second], f"LRU order after use: {cache.doc_ids}"
+
+
+@pytest.mark.parametrize("suffix_max_depth, want", [(16, 16), (6, 6), (40, 24)])
+def test_the_drafter_grows_a_copied_span_past_a_draft_models_depth(suffix_max_depth, want):
+    """A lookup costs no draft step per level: on a request repeating a 40-token span, its
+    chain runs to suffix_max_depth (bounded by the request's share of the tree), not to
+    max_depth, which bounds a draft model's steps."""
+    from adaserve.config import SchedulerConfig
+    from adaserve.request_manager.drafters.suffix import SuffixDrafter
+    from adaserve.request_manager.policies import spec_shape
+    from adaserve.request_manager.request import Request, SamplingParams
+
+    cfg = SchedulerConfig(policy="adaserve", budget=16, suffix_max_depth=suffix_max_depth)
+    span = list(range(100, 140))
+    req = Request("r", [7, 8, 9] + span + [5, 6] + span[:3], SamplingParams())
+    shape = spec_shape(cfg, 1)
+    assert shape is not None and shape.depth == cfg.max_depth == 6
+    (tree,) = SuffixDrafter(cfg).propose([req], shape)
+    assert max(tree.depths) == want  # the 24 other nodes of a 1-request tree bound the 40
+    assert [tree.tokens[v] for v in range(1, want + 1)] == span[3 : 3 + want]

@@ -48,6 +48,8 @@ class SuffixDrafter(Drafter):
         self, requests: Sequence[Request], shape: SpecShape, keep_going: KeepGoing | None = None
     ) -> list[CandidateTree]:
         cfg = self.cfg
+        # No draft step per level: as deep as the request's share of the tree allows.
+        depth = max(shape.depth, min(cfg.suffix_max_depth, shape.max_nodes - 1))
         trees = []
         for r in requests:
             index = self._index(r)
@@ -57,7 +59,7 @@ class SuffixDrafter(Drafter):
                     index.tokens,
                     index,
                     self.global_cache,
-                    depth=shape.depth,
+                    depth=depth,
                     max_nodes=shape.max_nodes - 1,
                     min_match=cfg.suffix_min_match,
                     max_matches=cfg.suffix_max_matches,
