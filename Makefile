@@ -12,10 +12,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned to the CPU build that lies on the dev machines' disk; elsewhere pip fetches it.
 	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.4,<3"
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,cluster]"
 	# The cpu extra builds llama.cpp (the ggml backend the default model runs on): ~3.5 min once,
 	# needs a C++ compiler and cmake. Without it everything runs on the torch backend.
-	$(BIN)/pip install -q -e ".[dev,cpu]" || echo "adaserve: llama-cpp-python did not build;" \
+	$(BIN)/pip install -q -e ".[dev,cluster,cpu]" || echo "adaserve: llama-cpp-python did not build;" \
 		"the default model will run on the (slower) torch backend"
 	touch $(STAMP)
 

@@ -109,6 +109,13 @@ def add_engine_arguments(p: argparse.ArgumentParser, default_policy: str) -> Non
     )
     p.add_argument("--seed", type=int, default=m.seed, help="seed of requests that give none")
     p.add_argument(
+        "--threads",
+        type=int,
+        default=m.threads,
+        help="CPU threads of the forwards, torch and llama.cpp (default: every core this "
+        "process may use; with --replicas N, the cores split among the replicas)",
+    )
+    p.add_argument(
         "--record-acceptance",
         default=None,
         metavar="FILE",
@@ -137,6 +144,7 @@ def engine_kwargs(a: argparse.Namespace) -> dict[str, object]:
         backend=a.backend,
         max_model_len=a.max_model_len,
         seed=a.seed,
+        threads=a.threads,
         block_size=a.block_size,
         num_blocks=a.num_blocks,
         max_num_seqs=a.max_num_seqs,
@@ -254,6 +262,32 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         help="after SIGTERM/SIGINT: new requests get 503 and /health says draining; running "
         "requests may finish for this many seconds, then the rest end with finish reason "
         "'abort' and the server exits 0",
+    )
+    cluster = p.add_argument_group(
+        "scale-out (Ray Serve; the `cluster` extra: pip install 'adaserve[cluster]')"
+    )
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        metavar="N",
+        help="serve from N engine replicas on Ray Serve behind one OpenAI endpoint, each the "
+        "engine this command runs alone (its own KV cache, scheduler and cost model), routed "
+        "by --router (default: one engine in this process, no Ray)",
+    )
+    cluster.add_argument(
+        "--router",
+        choices=("slo", "pow2"),
+        default="slo",
+        help="with --replicas: slo (default) ranks the replicas that can meet the request's "
+        "slo_tpot_ms by their published predicted TPOT; pow2 is Ray Serve's own "
+        "power-of-two-choices router",
+    )
+    cluster.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --replicas: join this Ray cluster (e.g. auto, or HOST:6379) instead of "
+        "starting a local one",
     )
     p.add_argument(
         "--log-level",

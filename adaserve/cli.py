@@ -12,6 +12,7 @@ import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from adaserve.args import (
     add_engine_arguments,
@@ -33,6 +34,9 @@ from adaserve.entry import call
 from adaserve.request_manager.request import SamplingParams
 from adaserve.sim import run as sim_run
 
+if TYPE_CHECKING:
+    from adaserve.llm import LLMEngine
+
 
 @dataclass(frozen=True)
 class Subcommand:
@@ -53,21 +57,16 @@ def register(
     SUBCOMMANDS[name] = Subcommand(help, add_arguments, run)
 
 
-def run_serve(a: argparse.Namespace) -> int:
-    from adaserve.api.server import serve
+def build_engine(a: argparse.Namespace) -> tuple[LLMEngine, bool]:
+    """The engine `adaserve serve` runs, with B, t_spec and the forward cost model from a
+    latency profile (an explicit --budget wins); also says whether the profile is the cached
+    start-up one (then what the server measures refreshes it at shutdown)."""
     from adaserve.llm import LLMEngine
 
-    if a.max_waiting is not None and a.max_waiting < 1:
-        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
-    keys = api_keys(a.api_key, a.api_key_file)  # a bad key file fails before the model loads
-    if a.protect_metrics and not keys:
-        raise ValueError("--protect-metrics needs --api-key or --api-key-file")
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
     log = logging.getLogger("adaserve")
     cached_profile = False
     if a.policy != "incremental" and a.budget is None:
-        # B and t_spec come from measured latency, not a guess (an explicit --budget wins).
         from adaserve.request_manager.control.profile import Profile, startup_profile
 
         prof = Profile.load(a.profile) if a.profile else startup_profile(engine.engine)
@@ -94,6 +93,19 @@ def run_serve(a: argparse.Namespace) -> int:
         sched.drafter.name if sched.drafter else "none",
         engine.engine.backend,
     )
+    return engine, cached_profile
+
+
+def run_serve(a: argparse.Namespace) -> int:
+    from adaserve.api.server import serve
+
+    if a.max_waiting is not None and a.max_waiting < 1:
+        raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
+    keys = api_keys(a.api_key, a.api_key_file)  # a bad key file fails before the model loads
+    if a.protect_metrics and not keys:
+        raise ValueError("--protect-metrics needs --api-key or --api-key-file")
+    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("adaserve")
     cfg = ServerConfig(
         host=a.host,
         port=a.port,
@@ -104,6 +116,14 @@ def run_serve(a: argparse.Namespace) -> int:
         default_slo_tpot_ms=a.default_slo_tpot_ms,
         slo_classes=a.slo_classes,
     )
+    if a.replicas is not None:
+        # Imported only here: a single server never imports Ray.
+        from adaserve.cluster.ray_serve import serve_cluster
+
+        return serve_cluster(a, cfg)
+    if a.ray_address is not None:
+        raise ValueError("--ray-address needs --replicas N")
+    engine, cached_profile = build_engine(a)
     serve(engine, cfg, log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout)
     acc = engine.scheduler.acceptance_log
     if acc is not None:

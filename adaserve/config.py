@@ -52,8 +52,13 @@ class ModelConfig:
     cuda_graphs: bool = True
     # Seed for requests that give none, so runs repeat.
     seed: int = 0
+    # CPU threads of the forwards (torch and llama.cpp); None: every core this process may use.
+    # Replicas sharing a machine split its cores (`adaserve serve --replicas N`).
+    threads: int | None = None
 
     def __post_init__(self) -> None:
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:

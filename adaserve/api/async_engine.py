@@ -15,7 +15,9 @@ import queue
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from adaserve.api.metrics import FinishedRequest, ServerMetrics
 from adaserve.llm import LLMEngine
@@ -88,6 +90,40 @@ class RequestStream:
         return await self.queue.get()
 
 
+class EngineFront(Protocol):
+    """What the HTTP routes need of the engine behind them, called from the event loop:
+    `AsyncEngine` (the engine thread of this process) or `RemoteEngine` (replicas on Ray
+    Serve, adaserve/cluster/ray_serve.py). A submitted request's stream yields Accepted,
+    Rejected, Refused or EngineFailed first, then Deltas until one is finished."""
+
+    metrics: ServerMetrics
+    num_waiting: int  # submitted, no token yet
+    num_open: int  # submitted, stream not ended
+    idle: threading.Event  # set while num_open is 0
+
+    @property
+    def alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None: ...
+
+    def submit(
+        self,
+        request_id: str,
+        params: SamplingParams,
+        *,
+        prompt: str | list[int] | None = None,
+        messages: list[dict] | None = None,
+        fill_max_tokens: bool = False,
+        arrival_time: float | None = None,
+    ) -> RequestStream: ...
+
+    def abort(self, stream: RequestStream) -> None: ...
+
+    def abort_all(self) -> None: ...
+
+
 @dataclass(frozen=True)
 class _Add:
     stream: RequestStream
@@ -112,10 +148,57 @@ class _AbortAll:
     """The drain grace period is over: finish every request now, finish reason "abort"."""
 
 
-class AsyncEngine:
+class StreamBook:
+    """The event-loop side of an engine front: open streams counted, items handed over."""
+
+    def __init__(self) -> None:
+        # Requests submitted that have not produced a token yet, and requests submitted
+        # whose stream has not ended (a drain waits for this to reach 0).
+        self.num_waiting = 0
+        self.num_open = 0
+        self.idle = threading.Event()  # set while num_open is 0 (a drain waits on it)
+        self.idle.set()
+
+    def _open(self, request_id: str) -> RequestStream:
+        stream = RequestStream(request_id, asyncio.get_running_loop())
+        self.num_waiting += 1
+        self.num_open += 1
+        self.idle.clear()
+        return stream
+
+    def _mark_done(self, stream: RequestStream) -> None:
+        if not stream.done:
+            stream.done = True
+            self.num_open -= 1
+            if self.num_open == 0:
+                self.idle.set()
+        if not stream.started:
+            stream.started = True
+            self.num_waiting -= 1
+
+    def _deliver(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
+        """Runs on the event loop: hand items to their streams."""
+        for stream, item in items:
+            if ends_stream(item):
+                self._mark_done(stream)
+            elif isinstance(item, Delta) and not stream.started:
+                stream.started = True
+                self.num_waiting -= 1
+            stream.queue.put_nowait(item)
+
+
+def ends_stream(item: StreamItem) -> bool:
+    """Nothing follows this item on its stream."""
+    return isinstance(item, (Rejected, Refused, EngineFailed)) or (
+        isinstance(item, Delta) and item.finished
+    )
+
+
+class AsyncEngine(StreamBook):
     """Owns the engine thread. Public methods are called from the event loop."""
 
     def __init__(self, engine: LLMEngine, metrics: ServerMetrics, admission: str = "queue") -> None:
+        super().__init__()
         self.engine = engine
         self.metrics = metrics
         self.admission = admission
@@ -123,12 +206,8 @@ class AsyncEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
         self._last_stats: object = None
-        # Event-loop side: requests submitted that have not produced a token yet, and
-        # requests submitted whose stream has not ended (a drain waits for this to reach 0).
-        self.num_waiting = 0
-        self.num_open = 0
-        self.idle = threading.Event()  # set while num_open is 0 (a drain waits on it)
-        self.idle.set()
+        # Called on the engine thread after every iteration (a replica's routing stats).
+        self.on_state: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ event-loop side
     def start(self) -> None:
@@ -149,10 +228,7 @@ class AsyncEngine:
         arrival_time: float | None = None,
     ) -> RequestStream:
         """Queue a request; its stream yields Accepted or Rejected first, then Deltas."""
-        stream = RequestStream(request_id, asyncio.get_running_loop())
-        self.num_waiting += 1
-        self.num_open += 1
-        self.idle.clear()
+        stream = self._open(request_id)
         self._commands.put(
             _Add(
                 stream,
@@ -180,28 +256,6 @@ class AsyncEngine:
         """Abort whatever still runs and stop the thread."""
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, timeout_s)
-
-    def _mark_done(self, stream: RequestStream) -> None:
-        if not stream.done:
-            stream.done = True
-            self.num_open -= 1
-            if self.num_open == 0:
-                self.idle.set()
-        if not stream.started:
-            stream.started = True
-            self.num_waiting -= 1
-
-    def _deliver(self, items: list[tuple[RequestStream, StreamItem]]) -> None:
-        """Runs on the event loop: hand items to their streams."""
-        for stream, item in items:
-            if isinstance(item, (Rejected, Refused, EngineFailed)) or (
-                isinstance(item, Delta) and item.finished
-            ):
-                self._mark_done(stream)
-            elif isinstance(item, Delta) and not stream.started:
-                stream.started = True
-                self.num_waiting -= 1
-            stream.queue.put_nowait(item)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -408,3 +462,5 @@ class AsyncEngine:
         calibration = sched.controller.calibration_summary()
         if calibration is not None:
             self.metrics.set_calibration(*calibration)
+        if self.on_state is not None:
+            self.on_state()

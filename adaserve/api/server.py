@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import inspect
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from types import FrameType
 
 import uvicorn
@@ -23,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from adaserve.api.async_engine import AsyncEngine
+from adaserve.api.async_engine import AsyncEngine, EngineFront
 from adaserve.api.errors import (
     APIError,
     api_error_handler,
@@ -54,27 +56,65 @@ def served_model_name(engine: LLMEngine, cfg: ServerConfig) -> str:
     return engine.model_cfg.model or engine.engine.target_path.name
 
 
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the routes say about the engine behind them (/v1/models, /health)."""
+
+    name: str
+    max_model_len: int
+    root: str
+    policy: str
+    budget: int
+    drafter: str
+    backend: str
+    max_waiting: int | None
+
+
+def model_info(engine: LLMEngine, cfg: ServerConfig) -> ModelInfo:
+    drafter = engine.scheduler.drafter
+    return ModelInfo(
+        name=served_model_name(engine, cfg),
+        max_model_len=engine.max_model_len,
+        root=str(engine.engine.target_path),
+        policy=engine.sched_cfg.policy,
+        budget=engine.sched_cfg.budget,
+        drafter=drafter.name if drafter is not None else "none",
+        backend=getattr(engine.engine, "backend", "torch"),
+        max_waiting=engine.sched_cfg.max_waiting,
+    )
+
+
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
-    name = served_model_name(engine, cfg)
-    metrics = ServerMetrics(cfg.slo_classes, model_name=name)
-    drafter = engine.scheduler.drafter
-    drafter_name = drafter.name if drafter is not None else "none"
-    metrics.drafter_info.labels(engine.sched_cfg.policy, drafter_name).set(1)
-    metrics.backend_info.labels(getattr(engine.engine, "backend", "torch")).set(1)
-    async_engine = AsyncEngine(engine, metrics, cfg.admission)
-    serving = OpenAIServing(async_engine, cfg, name, engine.sched_cfg.max_waiting)
+    info = model_info(engine, cfg)
+    metrics = ServerMetrics(cfg.slo_classes, model_name=info.name)
+    metrics.drafter_info.labels(info.policy, info.drafter).set(1)
+    metrics.backend_info.labels(info.backend).set(1)
+    return make_app(AsyncEngine(engine, metrics, cfg.admission), info, cfg, metrics.render)
+
+
+def make_app(
+    front: EngineFront,
+    info: ModelInfo,
+    cfg: ServerConfig,
+    render_metrics: Callable[[], bytes | Awaitable[bytes]],
+) -> FastAPI:
+    """The OpenAI routes over an engine front: the engine thread of this process
+    (`AsyncEngine`), or replicas on Ray Serve (`adaserve.cluster.ray_serve`)."""
+    name = info.name
+    metrics = front.metrics
+    serving = OpenAIServing(front, cfg, name, info.max_waiting)
     created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        async_engine.start()
+        front.start()
         yield
         serving.draining = True
-        await async_engine.shutdown()
+        await front.shutdown()
 
     app = FastAPI(title="adaserve", version="0.1.0", lifespan=lifespan)
-    app.state.serving, app.state.metrics, app.state.async_engine = serving, metrics, async_engine
+    app.state.serving, app.state.metrics, app.state.async_engine = serving, metrics, front
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
@@ -114,10 +154,7 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
         return ModelList(
             data=[
                 ModelCard(
-                    id=name,
-                    created=created,
-                    max_model_len=engine.max_model_len,
-                    root=str(engine.engine.target_path),
+                    id=name, created=created, max_model_len=info.max_model_len, root=info.root
                 )
             ]
         )
@@ -126,21 +163,18 @@ def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     async def health() -> Response:
         if serving.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if not async_engine.alive:
+        if not front.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        sched = engine.sched_cfg  # frozen: safe to read from this thread
         return JSONResponse(
-            {
-                "status": "ok",
-                "policy": sched.policy,
-                "budget": sched.budget,
-                "drafter": drafter_name,
-            }
+            {"status": "ok", "policy": info.policy, "budget": info.budget, "drafter": info.drafter}
         )
 
     @app.get("/metrics", dependencies=auth if cfg.protect_metrics else [])
     async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        text = render_metrics()
+        if inspect.isawaitable(text):  # replicas' metrics gathered over the network
+            text = await text
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     describe_api(app)
     return app

@@ -21,9 +21,9 @@ from starlette.background import BackgroundTask
 
 from adaserve.api.async_engine import (
     Accepted,
-    AsyncEngine,
     Delta,
     EngineFailed,
+    EngineFront,
     Refused,
     Rejected,
     RequestStream,
@@ -115,10 +115,10 @@ def sse(obj: BaseModel | dict) -> str:
 
 
 class OpenAIServing:
-    """Handlers of the two generation endpoints over one AsyncEngine."""
+    """Handlers of the two generation endpoints over one engine front (`EngineFront`)."""
 
     def __init__(
-        self, engine: AsyncEngine, cfg: ServerConfig, model_name: str, max_waiting: int | None
+        self, engine: EngineFront, cfg: ServerConfig, model_name: str, max_waiting: int | None
     ) -> None:
         self.engine, self.cfg, self.model_name = engine, cfg, model_name
         self.max_waiting = max_waiting

@@ -78,7 +78,9 @@ def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path |
     return "ggml", gguf
 
 
-def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig) -> GgmlRunner:
+def _build_ggml_runner(
+    gguf: Path, target_path: Path, cache_cfg: CacheConfig, threads: int | None = None
+) -> GgmlRunner:
     args = load_args(target_path)
     if cache_cfg.num_blocks is not None:
         tokens = cache_cfg.num_blocks * cache_cfg.block_size
@@ -96,6 +98,7 @@ def _build_ggml_runner(gguf: Path, target_path: Path, cache_cfg: CacheConfig) ->
         cache_cfg.block_size,
         n_batch=cache_cfg.ggml_n_batch,
         n_ubatch=cache_cfg.ggml_n_ubatch,
+        n_threads=threads,
     )
 
 
@@ -133,13 +136,15 @@ class ExecutionEngine:
     ) -> None:
         """`need_draft`: load the default draft when none is named (True or "model"), or the
         default target's shipped EAGLE head ("eagle")."""
+        if model_cfg.threads is not None:
+            torch.set_num_threads(model_cfg.threads)
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
         self.backend, gguf = pick_backend(model_cfg, self.target_path)
         self.target: Runner
         if self.backend == "ggml":
             assert gguf is not None
-            self.target = _build_ggml_runner(gguf, self.target_path, cache_cfg)
+            self.target = _build_ggml_runner(gguf, self.target_path, cache_cfg, model_cfg.threads)
         else:
             self.target = _build_runner(
                 self.target_path, model_cfg, cache_cfg.num_blocks, cache_cfg
@@ -172,7 +177,9 @@ class ExecutionEngine:
                         num_blocks=draft_blocks,
                         enable_prefix_caching=False,
                     )
-                    self.draft = _build_ggml_runner(draft_gguf, self.draft_path, cells)
+                    self.draft = _build_ggml_runner(
+                        draft_gguf, self.draft_path, cells, model_cfg.threads
+                    )
                 else:
                     self.draft = _build_runner(self.draft_path, model_cfg, draft_blocks, cache_cfg)
             k = model_cfg.draft_vocab_size

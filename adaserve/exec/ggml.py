@@ -423,12 +423,13 @@ class GgmlRunner:
         block_size: int,
         n_batch: int,
         n_ubatch: int = 512,
+        n_threads: int | None = None,
     ):
         """`checkpoint`: the dir converted from the GGUF file (config, tokenizer; an EAGLE head
         borrows its embedding and LM head)."""
         args = load_args(checkpoint)
         self.gguf = Path(gguf)
-        self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch, n_ubatch)
+        self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch, n_ubatch, n_threads)
         if self.llama.n_vocab != args.vocab_size:
             raise ValueError(
                 f"{gguf} has {self.llama.n_vocab} tokens, its config says {args.vocab_size}"
