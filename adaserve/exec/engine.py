@@ -136,8 +136,9 @@ class ExecutionEngine:
     ) -> None:
         """`need_draft`: load the default draft when none is named (True or "model"), or the
         default target's shipped EAGLE head ("eagle")."""
-        if model_cfg.threads is not None:
-            torch.set_num_threads(model_cfg.threads)
+        self.threads = model_cfg.threads
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
         self.backend, gguf = pick_backend(model_cfg, self.target_path)

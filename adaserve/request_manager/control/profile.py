@@ -295,7 +295,9 @@ def profile_engine(
 
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
-    """Where the start-up profile of this (target, draft, device, dtype) is cached."""
+    """Where the start-up profile of this (target, draft, device, dtype, threads) is cached
+    (a thread count only when one was set: replicas sharing a machine run slower than one
+    process on all its cores, and must not inherit its profile)."""
     if engine.backend == "ggml":
         dtype = "gguf"
     else:
@@ -304,6 +306,8 @@ def startup_profile_path(engine: ExecutionEngine) -> Path:
         dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
     draft = engine.draft_path.name if engine.draft_path is not None else "none"
     key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
+    if engine.threads is not None:
+        key += f"__{engine.threads}threads"
     return cache_root() / "profiles" / f"{key}.json"
 
 

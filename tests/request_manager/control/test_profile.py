@@ -152,3 +152,28 @@ def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeyp
     model.observe(1, 0, 0.5)
     profile_mod.refresh_startup_profile(engine, model)
     assert Profile.load(path).cost_model is not None
+
+
+def test_a_thread_count_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
+    """Replicas sharing a machine (serve --replicas, --threads) run slower than one process on
+    every core: they must not use that process's cached profile, nor overwrite it."""
+    import torch
+
+    import adaserve.request_manager.control.profile as profile_mod
+
+    before = torch.get_num_threads()
+    try:
+        paths = {
+            threads: profile_mod.startup_profile_path(
+                ExecutionEngine(
+                    ModelConfig(model=str(tiny_llama), threads=threads),
+                    CacheConfig(num_blocks=64),
+                    False,
+                )
+            )
+            for threads in (None, 1, 2)
+        }
+    finally:
+        torch.set_num_threads(before)
+    assert len(set(paths.values())) == 3, paths
+    assert paths[1].name.endswith("__1threads.json") and "threads" not in paths[None].name
