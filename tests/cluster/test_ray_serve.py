@@ -138,6 +138,36 @@ def test_bad_input_gets_the_single_servers_400(cluster, tiny_llama):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_a_client_that_disconnects_mid_stream_frees_its_replicas_kv(cluster, tiny_llama):
+    body = {
+        "model": str(tiny_llama),
+        "prompt": "Once",
+        "max_tokens": 480,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream("POST", f"{cluster}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [line for line, _ in zip(lines, range(6)) if line.startswith("data:")]
+    assert got, "no chunk before the disconnect"
+    # The replica ends it as aborted (a natural end would be "length") and frees its blocks.
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(f"{cluster}/metrics", timeout=30).text
+        fams = {f.name: f for f in text_string_to_metric_families(text)}
+        aborted = sum(
+            s.value
+            for s in fams["adaserve_requests"].samples
+            if s.name.endswith("_total") and s.labels.get("finish_reason") == "abort"
+        )
+        used = sum(s.value for s in fams["adaserve_kv_blocks_used"].samples)
+        if (aborted >= 1 and used == 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert aborted >= 1, "the disconnect did not reach the replica (no request ended 'abort')"
+    assert used == 0, f"{used} KV blocks still held after the client left"
+
+
 def test_requests_after_a_replica_is_killed_are_served_by_the_other(
     cluster, tiny_llama, reference
 ):
