@@ -188,13 +188,19 @@ class SchedulerConfig:
     probe_interval_max: int = 256
     # The controller's score R: weight of the newest drafting iteration in its moving
     # average, and iterations scored before the first on/off decision (cold start trusts the
-    # prior). Until explore_observations depth-1 nodes were verified trees are not pruned
-    # (calibration must first see what the drafter is worth). A forward is padded only when
-    # predicted pad_min_saving cheaper, and every pad_explore_every-th time it runs unpadded
-    # anyway, to keep measuring the exact size.
+    # prior). Until explore_observations depth-1 nodes were verified, trees keep their most
+    # probable nodes beyond what the prior says pays, as many as add at most explore_cost of
+    # a plain forward's time, and at least one (calibration must first see what the drafter is
+    # worth; on llama.cpp a 16-node tree cost 8x a decode and exploring whole trees lost
+    # 40% on a new prompt); later one node when nothing pays. Exploring may cost, net of the
+    # tokens it gets accepted, explore_budget of the plain forward time. A forward is padded
+    # only when predicted pad_min_saving cheaper, and every pad_explore_every-th time it runs
+    # unpadded anyway, to keep measuring the exact size.
     control_score_ema: float = 0.3
     control_min_scored: int = 3
     explore_observations: int = 16
+    explore_cost: float = 0.5
+    explore_budget: float = 0.03
     pad_min_saving: float = 0.1
     pad_explore_every: int = 16
     # Append every verified tree to this JSONL file (the simulator's recorded acceptance).
@@ -218,6 +224,9 @@ class SchedulerConfig:
             raise ValueError(f"policy must be one of {POLICIES}, got {self.policy!r}")
         if not 0.0 <= self.slo_pace_margin < 1.0:
             raise ValueError(f"slo_pace_margin must be in [0, 1), got {self.slo_pace_margin}")
+        for name in ("explore_cost", "explore_budget"):
+            if not getattr(self, name) >= 0.0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.pad_min_saving < 1.0:
             raise ValueError(f"pad_min_saving must be in [0, 1), got {self.pad_min_saving}")
         for name in ("default_ttft_factor", "default_ttft_floor_ms"):

@@ -211,6 +211,15 @@ class AcceptanceCalibrator:
         """Decayed count of observations at `depth` (deeper than max_depth: the last row)."""
         return sum(self._trials[self._row(depth)])
 
+    def acceptance_upper_bound(self, depth: int, delta: float = 0.1) -> float:
+        """An upper confidence bound on the acceptance rate at `depth` (Hoeffding: the true rate
+        exceeds it with probability < delta); 1 before any observation."""
+        row = self._row(depth)
+        n = sum(self._trials[row])
+        if n <= 0:
+            return 1.0
+        return min(1.0, sum(self._accepts[row]) / n + math.sqrt(math.log(1 / delta) / (2 * n)))
+
     def depth_summary(self) -> list[DepthCalibration]:
         """Per depth 1..max_depth: observations, mean draft q, mean calibrated, acceptance rate."""
         out = []

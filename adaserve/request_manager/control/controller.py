@@ -17,9 +17,15 @@ forward time by tokens and context, measured from the iterations the server runs
 3. Which nodes?  The policy's selection runs on calibrated trees; then nodes are dropped, the
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
-   decoding, so an iteration never predicts fewer tokens per second than incremental. Until
-   `explore_observations` depth-1 nodes have been verified nothing is pruned, so a cold
-   calibration learns what the drafter is worth instead of never trying it.
+   decoding, so an iteration never predicts fewer tokens per second than incremental.
+   Exploration: until `explore_observations` depth-1 nodes have been verified, the most
+   probable nodes are kept past what pays, up to `explore_cost` of a plain forward's time
+   (at least one node), so a cold calibration learns what the drafter is worth instead of
+   never trying it; later, one node when nothing paid. Exploring is paid from a credit that
+   grows by `explore_budget` of each plain forward and gets back the tokens exploring had
+   accepted, so learning costs at most a few percent even where a verified tree token costs
+   nearly a forward (llama.cpp on a CPU), and stops once one node accepted at the best rate
+   the observations allow could not pay.
 """
 
 from __future__ import annotations
@@ -35,6 +41,10 @@ from adaserve.tree import CandidateTree
 
 # A predicted forward is never shorter than this (a model with no data must not divide by 0).
 MIN_FORWARD_S = 1e-4
+# Exploration goes on while the depth-1 acceptance rate could still pay with this confidence.
+EXPLORE_DELTA = 0.1
+# The exploration credit holds at most this many plain forwards' time.
+EXPLORE_CREDIT_FORWARDS = 1.0
 
 
 class SpeculationController:
@@ -66,7 +76,12 @@ class SpeculationController:
         self.probe_interval = cfg.probe_interval_min
         self.iteration = 0
         self.num_skipped_drafts = 0
-        self.pruned_streak = 0  # iterations in a row whose trees were pruned to nothing
+        # Seconds of forward time exploration may still spend (None: not started), and the
+        # exploring iteration awaiting its verification: (seconds a token is worth, tokens
+        # its paying part was expected to add), with the tokens accepted since.
+        self.explore_credit: float | None = None
+        self._explore_pending: tuple[float, float] | None = None
+        self._explore_accepted = 0
         self.probing = False  # this iteration probes a drafter that was switched off
         self.num_padded = 0  # forwards for which padding was predicted cheaper
 
@@ -230,9 +245,6 @@ class SpeculationController:
         Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
-        if self.exploring:
-            expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
-            return [list(s) for s in selections], expected
         # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties
         # (f never grows along a path, so a node goes only after its selected children).
         removable = []
@@ -252,22 +264,66 @@ class SpeculationController:
             rate = expected / self.forward_s(n + k, context)
             if rate > best_rate:
                 best_k, best_rate, best_expected = k, rate, expected
-        if best_k == 0 and adds:
-            # Nothing paid off. Now and then verify what a forward holds for free anyway (its
-            # cheapest padded size), at least one node, so the calibration keeps learning and
-            # a drafter that became good (another workload) gets used again.
-            self.pruned_streak += 1
-            if self.pruned_streak >= self.cfg.probe_interval_min:
-                self.pruned_streak = 0
-                free = self.verify_cost.best_padded(n, context, max(n, self.max_pad_tokens)) - n
-                best_k = min(len(adds), max(1, free))
+        explore_k = self._explore_size(n, context, len(adds), best_k)
+        if explore_k > best_k:
+            # Verify more than pays, to learn: paid from the exploration credit, so what
+            # learning costs (net of what it gets accepted) stays within explore_budget of
+            # the plain forward time, however costly a tree token is on this backend.
+            extra = self.forward_s(n + explore_k, context) - self.forward_s(n + best_k, context)
+            if extra <= self.explore_credit:
+                self.explore_credit -= extra
+                self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
+                best_k = explore_k
                 best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
-        else:
-            self.pruned_streak = 0
         kept: list[list[int]] = [[0] for _ in trees]
         for _, _, _, r, v in adds[:best_k]:
             kept[r].append(v)
         return [sorted(s) for s in kept], best_expected
+
+    def _explore_size(self, n: int, context: int, candidates: int, best_k: int) -> int:
+        """Nodes to verify to learn from (0: none beyond the `best_k` that pay).
+
+        While calibration has not seen the drafter (`exploring`): the most probable nodes, as
+        many as add at most explore_cost of a plain forward (at least one); once it has, one
+        node (or what a padded forward holds for free) only when nothing paid, so a drafter
+        that became good (another workload) gets used again. Never where one node accepted at
+        the best rate the observations allow could not pay. Also accrues the credit.
+        """
+        plain_s = self.forward_s(n, context)
+        self._settle_exploration()
+        cap = EXPLORE_CREDIT_FORWARDS * plain_s
+        if self.explore_credit is None:
+            self.explore_credit = cap  # a fresh server may try the drafter at once
+        self.explore_credit = min(cap, self.explore_credit + self.cfg.explore_budget * plain_s)
+        if not candidates or not self._exploration_may_pay(n, context):
+            return 0
+        if self.exploring:
+            limit = (1.0 + self.cfg.explore_cost) * plain_s
+            k = 1
+            while k < candidates and self.forward_s(n + k + 1, context) <= limit:
+                k += 1
+            return k
+        if best_k:
+            return 0
+        free = self.verify_cost.best_padded(n, context, max(n, self.max_pad_tokens)) - n
+        return min(candidates, max(1, free))
+
+    def _settle_exploration(self) -> None:
+        """Credit back the tokens an exploring iteration got accepted beyond what its paying
+        part was expected to yield (negative when it got fewer)."""
+        if self._explore_pending is None:
+            return
+        token_s, paying_gain = self._explore_pending
+        self.explore_credit += (self._explore_accepted - paying_gain) * token_s
+        self._explore_pending = None
+        self._explore_accepted = 0
+
+    def _exploration_may_pay(self, n: int, context: int) -> bool:
+        """Could one more verified node pay at the best acceptance rate the depth-1
+        observations so far allow (an upper confidence bound)? Where a tree token costs
+        nearly a forward, a few rejections end exploring; where it is almost free, never."""
+        ucb = self.calibrator.acceptance_upper_bound(1, EXPLORE_DELTA)
+        return (n + ucb) / self.forward_s(n + 1, context) > n / self.forward_s(n, context)
 
     def iteration_ratio(
         self, expected: float, n: int, tokens: int, context: int, draft_s: float
@@ -281,6 +337,8 @@ class SpeculationController:
         self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]
     ) -> None:
         self.calibrator.observe_verification(tree, verified, accepted)
+        if self._explore_pending is not None:
+            self._explore_accepted += len(accepted)
 
     def after_iteration(
         self,

@@ -150,14 +150,48 @@ def test_prune_drops_slo_step_nodes_last():
     assert kept == [[0, 1], [0]], f"the SLO step's node was not kept first: {kept}"
 
 
-def test_a_cold_calibration_prunes_nothing_until_it_has_seen_the_drafter():
+def test_a_cold_calibration_tries_the_drafter_at_a_bounded_cost():
     cfg = SchedulerConfig(policy="adaserve", budget=16)
-    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 100, 4: 200, 8: 400}))
-    tree = _tree([0.9, 0.8])
-    kept, _ = ctl.prune([tree], [[0, 1, 2]], [[0]], context=0)
-    assert kept == [[0, 1, 2]], "a cold calibration must let the drafter be tried"
-    kept, _ = _warm(ctl).prune([tree], [[0, 1, 2]], [[0]], context=0)
-    assert kept == [[0]], "once warm, a tree that costs more than it yields is dropped"
+    tree = _tree([0.3, 0.3, 0.3])  # by the draft's own word no node pays on a costly target
+    # Tree tokens nearly free: a cold calibration verifies the whole tree to learn from it.
+    cheap = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 51, 4: 53, 8: 60}))
+    kept, _ = cheap.prune([tree], [[0, 1, 2, 3]], [[0]], context=0)
+    assert kept == [[0, 1, 2, 3]], "a cold calibration must let the drafter be tried"
+    # A tree token costs 60% of a forward: still try the most probable node, one only (two
+    # would add 1.2x a forward, beyond explore_cost = 0.5 of one).
+    costly = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 80, 3: 110, 4: 140}))
+    kept, _ = costly.prune([tree], [[0, 1, 2, 3]], [[0]], context=0)
+    assert kept == [[0, 1]], f"exploring on a costly target kept {kept}"
+    # A tree token costs a whole forward: not even a node accepted every time could pay.
+    hopeless = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 100, 4: 200, 8: 400}))
+    kept, _ = hopeless.prune([tree], [[0, 1, 2, 3]], [[0]], context=0)
+    assert kept == [[0]], f"exploring where no node can pay kept {kept}"
+    # Once warm, a tree that costs more than it yields is dropped.
+    kept, _ = _warm(hopeless).prune([tree], [[0, 1, 2, 3]], [[0]], context=0)
+    assert kept == [[0]], f"a warm calibration kept {kept} of a tree that does not pay"
+
+
+def test_exploring_stops_once_rejections_show_the_drafter_cannot_pay():
+    """Where a tree token costs nearly a forward a node pays only if accepted > 85% of the
+    time: after a few rejections exploring stops before its observation quota is reached."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 92, 4: 176}))
+    tree = _tree([0.5])
+    tried = 0
+    for _ in range(cfg.explore_observations):
+        kept, _ = ctl.prune([tree], [[0, 1]], [[0]], context=0)
+        if kept == [[0, 1]]:
+            tried += 1
+            ctl.observe_verification(tree, [0, 1], [])  # rejected
+    assert ctl.exploring, "the quota of observations was not the reason to stop"
+    assert 1 <= tried <= 4, f"{tried} rejected single nodes verified at 1.84x a forward each"
+    # A tree token at 30% of a forward: the calibration says the node does not pay, but the
+    # same four rejections leave room for a rate that would, so exploring goes on.
+    cheap = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 65, 4: 95}))
+    for _ in range(4):
+        cheap.observe_verification(tree, [0, 1], [])
+    kept, _ = cheap.prune([tree], [[0, 1]], [[0]], context=0)
+    assert kept == [[0, 1]], "on a target where tokens are nearly free exploring stopped"
 
 
 def count_fed_tokens(runner) -> list[int]:
@@ -247,3 +281,36 @@ def test_suffix_trees_that_cost_more_than_they_yield_are_not_verified(pair):  # 
     )
     assert all(s.num_tokens - s.num_requests <= 1 for s in verified), "a probe is one node"
     assert_no_blocks_held(engine)
+
+
+def _explore_against(cfg: SchedulerConfig, iterations: int) -> tuple[int, float]:
+    """A node right 56% of the time (spread evenly) next to a target where one more token
+    costs 0.8 of a 50 ms forward: (times it was verified, the worst excess of its net cost
+    over explore_budget of the elapsed plain forward time, in seconds)."""
+    plain_s, node_s = 0.050, 0.040
+    ctl = SpeculationController(cfg, False, 16, _cost({1: 50, 2: 90, 3: 130, 4: 170}))
+    tree = _tree([0.5])
+    tried, net_cost, worst_excess = 0, 0.0, float("-inf")
+    for i in range(1, iterations + 1):
+        kept, _ = ctl.prune([tree], [[0, 1]], [[0]], context=0)
+        if kept == [[0, 1]]:
+            accepted = int((tried + 1) * 0.56) > int(tried * 0.56)
+            tried += 1
+            net_cost += node_s - (plain_s if accepted else 0.0)
+            ctl.observe_verification(tree, [0, 1], [1] if accepted else [])
+        worst_excess = max(worst_excess, net_cost - SchedulerConfig().explore_budget * i * plain_s)
+    return tried, worst_excess
+
+
+def test_exploring_costs_at_most_its_budget_where_a_tree_token_costs_most_of_a_forward():
+    """Where a node pays only if accepted 80% of the time, a drafter right 56% of the time
+    might still pay as far as a few observations tell, so it is tried; the credit spreads
+    the trying out, so that at every moment what it cost (net of the tokens it got
+    accepted) is within explore_budget of the plain forward time plus one forward."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    tried, excess = _explore_against(cfg, 400)
+    assert tried >= 8, f"a drafter that might pay was tried only {tried} times"
+    assert excess <= 0.050 + 1e-9, f"exploring ran {excess * 1000:.0f} ms over its budget"
+    # The same drafter with no limit on the credit: tried back to back, far over budget.
+    _, unlimited = _explore_against(SchedulerConfig(policy="adaserve", explore_budget=1e9), 400)
+    assert unlimited > 0.1, "the scenario does not exercise the credit"
