@@ -402,6 +402,9 @@ class AsyncEngine(StreamBook):
             e2e_s=m.e2e_s,
             spec_tree_tokens=m.num_tree_tokens,
             spec_accepted_tokens=m.num_accepted_tokens,
+            queue_s=m.queue_s,
+            prefill_s=m.prefill_s,
+            decode_s=m.decode_s,
         )
 
     def _fail_all(self, message: str) -> None:

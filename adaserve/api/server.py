@@ -131,7 +131,7 @@ def make_app(
         # of one matched shows in the response time.
         matches = [hmac.compare_digest(sent, k) for k in keys]
         if scheme.lower() != "bearer" or not any(matches):
-            metrics.rejected.labels("unauthorized").inc()
+            metrics.reject("unauthorized")
             raise APIError(
                 401,
                 "missing or wrong API key; send the header 'Authorization: "

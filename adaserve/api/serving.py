@@ -164,7 +164,7 @@ class OpenAIServing:
     def _admit(self) -> None:
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         if self.draining or not self.engine.alive:
-            self.engine.metrics.rejected.labels("unavailable").inc()
+            self.engine.metrics.reject("unavailable")
             raise APIError(
                 503,
                 "the server is shutting down; retry on another replica or later",
@@ -172,7 +172,7 @@ class OpenAIServing:
                 headers=retry,
             )
         if self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting:
-            self.engine.metrics.rejected.labels("queue_full").inc()
+            self.engine.metrics.reject("queue_full")
             raise APIError(
                 429,
                 f"the waiting queue is full ({self.engine.num_waiting} requests "
@@ -213,7 +213,7 @@ class OpenAIServing:
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Refused):
-            self.engine.metrics.rejected.labels("slo_unattainable").inc()
+            self.engine.metrics.reject("slo_unattainable")
             raise APIError(
                 429,
                 first.message,
