@@ -125,6 +125,7 @@ def run_serve(a: argparse.Namespace) -> int:
         allowed_methods=tuple(a.allowed_methods or d.allowed_methods),
         allowed_headers=tuple(a.allowed_headers or d.allowed_headers),
         vllm_metrics=a.vllm_metrics,
+        log_level=a.log_level,
     )
     if a.replicas is not None:
         # Imported only here: a single server never imports Ray.

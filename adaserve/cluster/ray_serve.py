@@ -372,6 +372,7 @@ class Ingress:
         self.engine, self.cfg, self.board = engine, cfg, board
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
+        configure_logging(self.cfg.log_level)  # the cluster's stats line is written here
         info: ModelInfo = await self.engine.info.remote()
         metrics = ServerMetrics(
             self.cfg.slo_classes, model_name=info.name, vllm_aliases=self.cfg.vllm_metrics
