@@ -177,6 +177,10 @@ def positive_float(text: str) -> float:
     return value
 
 
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
 def _slo_classes(text: str) -> tuple[tuple[str, float], ...]:
     try:
         return parse_slo_classes(text)
@@ -294,6 +298,46 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
         default=ServerConfig.log_level,
         choices=["critical", "error", "warning", "info", "debug"],
         help="server log verbosity",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=d.log_stats_interval_s,
+        metavar="S",
+        help="seconds between stats log lines (running, waiting, KV usage, tok/s, SLO "
+        "attainment); 0: none",
+    )
+    p.add_argument(
+        "--vllm-metrics",
+        action="store_true",
+        help="also export the metrics under vLLM's names (vllm:..., for vLLM's dashboards and "
+        "autoscaling rules)",
+    )
+    cors = p.add_argument_group("CORS (browsers calling the API from a web page)")
+    cors.add_argument(
+        "--allowed-origins",
+        type=_csv,
+        action="extend",
+        default=None,
+        metavar="ORIGINS",
+        help="origins allowed to call the API, comma-separated or repeated ('*': any) "
+        "(default: no CORS)",
+    )
+    cors.add_argument(
+        "--allowed-methods",
+        type=_csv,
+        action="extend",
+        default=None,
+        metavar="METHODS",
+        help="with --allowed-origins: HTTP methods allowed (default: *)",
+    )
+    cors.add_argument(
+        "--allowed-headers",
+        type=_csv,
+        action="extend",
+        default=None,
+        metavar="HEADERS",
+        help="with --allowed-origins: request headers allowed (default: *)",
     )
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from adaserve import __version__
 from adaserve.args import (
     add_engine_arguments,
     add_serve_arguments,
@@ -97,6 +98,7 @@ def build_engine(a: argparse.Namespace) -> tuple[LLMEngine, bool]:
 
 
 def run_serve(a: argparse.Namespace) -> int:
+    from adaserve.api.logs import configure_logging
     from adaserve.api.server import serve
 
     if a.max_waiting is not None and a.max_waiting < 1:
@@ -104,8 +106,11 @@ def run_serve(a: argparse.Namespace) -> int:
     keys = api_keys(a.api_key, a.api_key_file)  # a bad key file fails before the model loads
     if a.protect_metrics and not keys:
         raise ValueError("--protect-metrics needs --api-key or --api-key-file")
-    logging.basicConfig(level=a.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if (a.allowed_methods or a.allowed_headers) and not a.allowed_origins:
+        raise ValueError("--allowed-methods and --allowed-headers need --allowed-origins")
+    configure_logging(a.log_level)
     log = logging.getLogger("adaserve")
+    d = ServerConfig()
     cfg = ServerConfig(
         host=a.host,
         port=a.port,
@@ -115,6 +120,12 @@ def run_serve(a: argparse.Namespace) -> int:
         served_model_name=a.served_model_name,
         default_slo_tpot_ms=a.default_slo_tpot_ms,
         slo_classes=a.slo_classes,
+        log_stats_interval_s=a.log_stats_interval,
+        allowed_origins=tuple(a.allowed_origins or ()),
+        allowed_methods=tuple(a.allowed_methods or d.allowed_methods),
+        allowed_headers=tuple(a.allowed_headers or d.allowed_headers),
+        vllm_metrics=a.vllm_metrics,
+        log_level=a.log_level,
     )
     if a.replicas is not None:
         # Imported only here: a single server never imports Ray.
@@ -247,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="adaserve", description="SLO-customized LLM serving with tree speculative decoding"
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(

@@ -335,7 +335,21 @@ class ServerConfig:
     # Seconds running requests may take to finish after SIGINT/SIGTERM before they are aborted.
     shutdown_timeout_s: float = 30.0
     log_level: str = "info"
+    # Seconds between two stats log lines (running, waiting, KV, tok/s, SLO attainment); 0: none.
+    log_stats_interval_s: float = 10.0
+    # CORS: origins browsers may call from (empty: no CORS headers at all, as before), and the
+    # methods and request headers they may use.
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    # Also export the metrics under vLLM's names (vLLM's dashboards, KEDA/HPA rules).
+    vllm_metrics: bool = False
 
     def __post_init__(self) -> None:
         if self.admission not in ("queue", "slo"):
             raise ValueError(f"admission must be 'queue' or 'slo', got {self.admission!r}")
+        if not self.log_stats_interval_s >= 0:
+            raise ValueError(
+                f"log_stats_interval_s must be >= 0 (0 turns the stats line off), got "
+                f"{self.log_stats_interval_s}"
+            )

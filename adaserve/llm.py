@@ -51,18 +51,30 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def tokenize(self, prompt: str | Sequence[int]) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
+        """A prompt's token ids as requests get them (no BOS or other special tokens added,
+        unless asked: the prompt text is what the client sent)."""
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return [int(t) for t in prompt]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
         ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
+            messages, add_generation_prompt=add_generation_prompt, tokenize=True
         )
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return list(ids)
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """The text of token ids; ValueError naming the first id outside the vocabulary."""
+        vocab = self.engine.vocab_size
+        for i, t in enumerate(token_ids):
+            if not 0 <= t < vocab:
+                raise ValueError(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
+        return self.tokenizer.decode(list(token_ids))
 
     def add_request(
         self,

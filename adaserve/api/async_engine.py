@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+from adaserve.api.logs import log_finished
 from adaserve.api.metrics import FinishedRequest, ServerMetrics
 from adaserve.llm import LLMEngine
 from adaserve.request_manager.request import RequestOutput, SamplingParams
@@ -76,6 +77,23 @@ StreamItem = Accepted | Rejected | Refused | EngineFailed | Delta
 ENGINE_STOPPED = "the engine has stopped (server shutting down)"
 
 
+@dataclass(frozen=True)
+class Tokenize:
+    """A /tokenize request: a prompt, or chat messages through the chat template, tokenized
+    as a generation request would be (special tokens only when asked)."""
+
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    add_special_tokens: bool = False
+    add_generation_prompt: bool = True
+
+    def run(self, engine: LLMEngine) -> list[int]:
+        if self.messages is not None:
+            return engine.apply_chat_template(self.messages, self.add_generation_prompt)
+        assert self.prompt is not None
+        return engine.tokenize(self.prompt, self.add_special_tokens)
+
+
 class RequestStream:
     """The event-loop side of one request: an asyncio queue the engine thread fills."""
 
@@ -123,6 +141,15 @@ class EngineFront(Protocol):
 
     def abort_all(self) -> None: ...
 
+    async def tokenize(self, t: Tokenize) -> list[int]:
+        """Token ids; ValueError for input the tokenizer or chat template refuses,
+        RuntimeError when no engine can answer."""
+        ...
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        """The text of token ids; ValueError for ids outside the vocabulary."""
+        ...
+
 
 @dataclass(frozen=True)
 class _Add:
@@ -142,6 +169,35 @@ class _Abort:
 
 class _Stop:
     pass
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Run `fn(engine)` on the engine thread (it owns the tokenizer) and settle `future`."""
+
+    fn: Callable[[LLMEngine], object]
+    future: asyncio.Future
+
+    def run(self, engine: LLMEngine) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as exc:  # tokenizer, chat template, vocabulary: the client's input
+            result, error = None, ValueError(str(exc) or type(exc).__name__)
+        self.settle(result, error)
+
+    def settle(self, result: object, error: Exception | None) -> None:
+        def deliver() -> None:
+            if self.future.done():  # cancelled: the client went away
+                return
+            if error is not None:
+                self.future.set_exception(error)
+            else:
+                self.future.set_result(result)
+
+        try:
+            self.future.get_loop().call_soon_threadsafe(deliver)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
 
 
 class _AbortAll:
@@ -202,7 +258,9 @@ class AsyncEngine(StreamBook):
         self.engine = engine
         self.metrics = metrics
         self.admission = admission
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Call | _Stop] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
         self._last_stats: object = None
@@ -252,6 +310,20 @@ class AsyncEngine(StreamBook):
         finish reason "abort". Called when a drain's grace period ends."""
         self._commands.put(_AbortAll())
 
+    async def tokenize(self, t: Tokenize) -> list[int]:
+        return await self._call(t.run)  # type: ignore[return-value]
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._call(lambda engine: engine.detokenize(token_ids))  # type: ignore[return-value]
+
+    async def _call(self, fn: Callable[[LLMEngine], object]) -> object:
+        """fn(engine) on the engine thread, between two iterations."""
+        if not self.alive:
+            raise RuntimeError(ENGINE_STOPPED)
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(_Call(fn, future))
+        return await future
+
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever still runs and stop the thread."""
         self._commands.put(_Stop())
@@ -285,6 +357,8 @@ class AsyncEngine(StreamBook):
                 elif isinstance(cmd, _AbortAll):
                     for rid in list(self._streams):
                         self._abort(rid, pending)
+                elif isinstance(cmd, _Call):
+                    cmd.run(self.engine)
                 else:
                     self._abort(cmd.request_id, pending)
                 cmd = self._commands.get_nowait()
@@ -368,8 +442,7 @@ class AsyncEngine(StreamBook):
         """The stream item of an engine output; records the metrics of a finished request."""
         if not out.finished:
             return Delta(out.delta_text, list(out.delta_token_ids), None)
-        summary = self._summarize(out, out.outputs[0].finish_reason or "abort")
-        self.metrics.observe_finished(summary)
+        summary = self._finished(out, out.outputs[0].finish_reason or "abort")
         if summary.finish_reason == "error":  # this request alone failed inside the engine
             return EngineFailed(
                 f"internal error while processing this request: {out.error}; other requests "
@@ -383,6 +456,13 @@ class AsyncEngine(StreamBook):
             tuple(out.outputs[0].token_ids),
             summary,
         )
+
+    def _finished(self, out: RequestOutput, finish_reason: str) -> FinishedRequest:
+        """A finished request's summary, counted in the metrics and the access log."""
+        summary = self._summarize(out, finish_reason)
+        self.metrics.observe_finished(summary)
+        log_finished(out.request_id, summary)
+        return summary
 
     def _summarize(self, out: RequestOutput, finish_reason: str) -> FinishedRequest:
         m = out.metrics
@@ -402,6 +482,9 @@ class AsyncEngine(StreamBook):
             e2e_s=m.e2e_s,
             spec_tree_tokens=m.num_tree_tokens,
             spec_accepted_tokens=m.num_accepted_tokens,
+            queue_s=m.queue_s,
+            prefill_s=m.prefill_s,
+            decode_s=m.decode_s,
         )
 
     def _fail_all(self, message: str) -> None:
@@ -411,7 +494,7 @@ class AsyncEngine(StreamBook):
             try:
                 out = self.engine.abort(rid)
                 if out is not None:
-                    self.metrics.observe_finished(self._summarize(out, "error"))
+                    self._finished(out, "error")
             except Exception:
                 logger.exception("abort of %s failed", rid)
             pending.append((stream, EngineFailed(message)))
@@ -434,6 +517,8 @@ class AsyncEngine(StreamBook):
                 break
             if isinstance(cmd, _Add):
                 pending.append((cmd.stream, EngineFailed(ENGINE_STOPPED)))
+            elif isinstance(cmd, _Call):
+                cmd.settle(None, RuntimeError(ENGINE_STOPPED))
         self._post(pending)
 
     def _post(self, items: list[tuple[RequestStream, StreamItem]]) -> None:

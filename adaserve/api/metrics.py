@@ -1,5 +1,5 @@
-"""Prometheus metrics of the server. This module owns every metric name: prefix `adaserve_`,
-plus the three `vllm:` gauges Kubernetes' Gateway API Inference Extension reads to pick a pod.
+"""Prometheus metrics of the server. This module owns every `adaserve_` metric name;
+`vllm_metrics.py` owns the `vllm:` names (the same measurements under vLLM's names).
 
 Each server builds its own `ServerMetrics` over a private `CollectorRegistry`, so several apps
 can live in one process (tests). The engine thread records iterations and finished requests;
@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
+from adaserve.api.vllm_metrics import VllmMetrics
 from adaserve.request_manager.control.calibration import DepthCalibration
 from adaserve.request_manager.stats import IterationStats
 
@@ -42,6 +44,8 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 3
 STAGE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 TOKEN_COUNT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 UTILIZATION_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.5, 2.0, 4.0)
+# A request's phases: queued, prefilling, decoding (seconds, each possibly long on a CPU).
+PHASE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 def slo_class_of(slo_tpot_ms: float | None, classes: tuple[tuple[str, float], ...]) -> str:
@@ -73,27 +77,39 @@ class FinishedRequest:
     ttft_attained: bool | None = None  # first token within its objective; None: no objective
     tpot_attained: bool | None = None  # TPOT alone within slo_tpot_ms; None: no SLO
     ttft_objective_ms: float | None = None  # slo_ttft_ms, else the server's default objective
+    queue_s: float | None = None  # arrival to first scheduled; None: never scheduled
+    prefill_s: float | None = None  # first scheduled to first token
+    decode_s: float | None = None  # first to last token
 
 
 class ServerMetrics:
     """Every metric the server exports, registered in a registry of its own. `model_name`
-    (the served model name) is the `model_name` label of the vllm: gauges."""
+    (the served model name) labels the request-level metrics, as vLLM labels its own, so one
+    Prometheus can tell several models apart; `vllm_aliases` adds vLLM's names
+    (`--vllm-metrics`)."""
 
-    def __init__(self, slo_classes: tuple[tuple[str, float], ...], model_name: str = "") -> None:
+    def __init__(
+        self,
+        slo_classes: tuple[tuple[str, float], ...],
+        model_name: str = "",
+        vllm_aliases: bool = False,
+    ) -> None:
         self.slo_classes = slo_classes
+        self.model_name = m = model_name
         self.registry = r = CollectorRegistry()
-        cls = ["slo_class"]
+        # Request-level metrics carry the model; engine-level ones describe this one process.
+        cls = ["slo_class", "model_name"]
         # Requests.
         self.requests = Counter(
             "adaserve_requests",
             "Finished requests by finish reason (stop, length, abort, error)",
-            ["finish_reason"],
+            ["finish_reason", "model_name"],
             registry=r,
         )
         self.rejected = Counter(
             "adaserve_requests_rejected",
             "Requests refused before reaching the engine, by reason",
-            ["reason"],
+            ["reason", "model_name"],
             registry=r,
         )
         self.slo_attained = Counter(
@@ -157,11 +173,21 @@ class ServerMetrics:
             registry=r,
         )
         self.prompt_tokens = Counter(
-            "adaserve_prompt_tokens", "Prompt tokens of finished requests", registry=r
-        )
+            "adaserve_prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["model_name"],
+            registry=r,
+        ).labels(m)
         self.generation_tokens = Counter(
             "adaserve_generation_tokens", "Output tokens of finished requests", cls, registry=r
         )
+        self.emitted_tokens = Counter(
+            "adaserve_emitted_tokens",
+            "Output tokens, counted in the iteration that produced them (rate() is the "
+            "generation throughput)",
+            ["model_name"],
+            registry=r,
+        ).labels(m)
         self.tpot = Histogram(
             "adaserve_time_per_output_token_seconds",
             "Per-request mean time per output token after the first",
@@ -183,6 +209,9 @@ class ServerMetrics:
             buckets=E2E_BUCKETS_S,
             registry=r,
         )
+        self.queue_s = self._phase("queue", "Arrival to first scheduled (waiting for a batch slot)")
+        self.prefill_s = self._phase("prefill", "First scheduled to first output token")
+        self.decode_s = self._phase("decode", "First to last output token")
         # Engine state, sampled after every iteration.
         self.running = Gauge(
             "adaserve_num_requests_running", "Requests in the running batch", registry=r
@@ -194,29 +223,12 @@ class ServerMetrics:
         self.kv_total = Gauge(
             "adaserve_kv_blocks_total", "Target KV-cache blocks in the pool", registry=r
         )
-        # The same engine state under vLLM's names, labelled like vLLM's, because the Gateway API
-        # Inference Extension's endpoint picker reads exactly these (its "model server
-        # protocol"). Colons are legal in Prometheus metric names, and prometheus-client accepts
-        # them in both its name-validation modes.
-        model = ["model_name"]
-        self.vllm_running = Gauge(
-            "vllm:num_requests_running",
-            "Requests in the running batch (adaserve_num_requests_running)",
-            model,
+        self.kv_usage = Gauge(
+            "adaserve_kv_cache_usage_ratio",
+            "Target KV-cache usage, 0 (empty) to 1 (full): kv_blocks_used / kv_blocks_total",
             registry=r,
-        ).labels(model_name)
-        self.vllm_waiting = Gauge(
-            "vllm:num_requests_waiting",
-            "Requests queued, not yet running (adaserve_num_requests_waiting)",
-            model,
-            registry=r,
-        ).labels(model_name)
-        self.vllm_kv_usage = Gauge(
-            "vllm:kv_cache_usage_perc",
-            "Target KV-cache usage as a ratio, 1 = full (kv_blocks_used / kv_blocks_total)",
-            model,
-            registry=r,
-        ).labels(model_name)
+        )
+        self.vllm = VllmMetrics(r, m, vllm_aliases)
         self.preemptions = Counter(
             "adaserve_preemptions",
             "Requests preempted to free KV blocks (recomputed later)",
@@ -348,16 +360,16 @@ class ServerMetrics:
                 self.ttft_attained,
                 self.ttft_violated,
             ):
-                metric.labels(name)
+                metric.labels(name, m)
         for reason in ("stop", "length", "abort", "error"):
-            self.requests.labels(reason)
+            self.requests.labels(reason, m)
         for stage in ("draft", "select", "verify"):
             self.stage_s.labels(stage)
         # The SLO line of each class, so dashboards can draw TPOT against it.
         self.slo_class_bound = Gauge(
             "adaserve_slo_class_tpot_bound_seconds",
             "Upper bound of each SLO class's slo_tpot_ms (+Inf for an open class)",
-            cls,
+            ["slo_class"],
             registry=r,
         )
         for name, bound_ms in slo_classes:
@@ -365,36 +377,57 @@ class ServerMetrics:
         self._seen_preemptions = 0
         self._seen_prefix = (0, 0)
 
+    def _phase(self, phase: str, what: str) -> Histogram:
+        return Histogram(
+            f"adaserve_request_{phase}_time_seconds",
+            f"{what}, per request",
+            ["slo_class", "model_name"],
+            buckets=PHASE_BUCKETS_S,
+            registry=self.registry,
+        )
+
     def slo_class(self, slo_tpot_ms: float | None) -> str:
         return slo_class_of(slo_tpot_ms, self.slo_classes)
 
+    def reject(self, reason: str) -> None:
+        """A request refused before the engine (`reason`: queue_full, unauthorized, ...)."""
+        self.rejected.labels(reason, self.model_name).inc()
+
     def observe_finished(self, req: FinishedRequest) -> None:
-        c = req.slo_class
-        self.requests.labels(req.finish_reason).inc()
+        c, m = req.slo_class, self.model_name
+        self.requests.labels(req.finish_reason, m).inc()
         self.prompt_tokens.inc(req.num_prompt_tokens)
-        self.generation_tokens.labels(c).inc(req.num_output_tokens)
+        self.generation_tokens.labels(c, m).inc(req.num_output_tokens)
         if req.slo_attained is True:
-            self.slo_attained.labels(c).inc()
-            self.goodput_tokens.labels(c).inc(req.num_output_tokens)
+            self.slo_attained.labels(c, m).inc()
+            self.goodput_tokens.labels(c, m).inc(req.num_output_tokens)
         elif req.slo_attained is False:
-            self.slo_violated.labels(c).inc()
+            self.slo_violated.labels(c, m).inc()
         if req.tpot_attained is True:
-            self.tpot_attained.labels(c).inc()
+            self.tpot_attained.labels(c, m).inc()
         elif req.tpot_attained is False:
-            self.tpot_violated.labels(c).inc()
+            self.tpot_violated.labels(c, m).inc()
         if req.ttft_attained is True:
-            self.ttft_attained.labels(c).inc()
+            self.ttft_attained.labels(c, m).inc()
         elif req.ttft_attained is False:
-            self.ttft_violated.labels(c).inc()
+            self.ttft_violated.labels(c, m).inc()
         if req.tpot_ms is not None and math.isfinite(req.tpot_ms):
-            self.tpot.labels(c).observe(req.tpot_ms / 1000.0)
-        if req.ttft_s is not None:
-            self.ttft.labels(c).observe(req.ttft_s)
-        if req.e2e_s is not None:
-            self.e2e.labels(c).observe(req.e2e_s)
+            self.tpot.labels(c, m).observe(req.tpot_ms / 1000.0)
+        for hist, seconds in (
+            (self.ttft, req.ttft_s),
+            (self.e2e, req.e2e_s),
+            (self.queue_s, req.queue_s),
+            (self.prefill_s, req.prefill_s),
+            (self.decode_s, req.decode_s),
+        ):
+            if seconds is not None:
+                hist.labels(c, m).observe(seconds)
+        self.vllm.observe_finished(req)
 
     def observe_iteration(self, stats: IterationStats) -> None:
         self.iterations.labels(stats.kind).inc()
+        self.emitted_tokens.inc(stats.emitted_tokens)
+        self.vllm.observe_emitted(stats.emitted_tokens)
         self.prefill_tokens.inc(stats.prefill_tokens)
         self.iteration_s.labels(stats.kind).observe(stats.total_s)
         if stats.host_s is not None:
@@ -424,9 +457,9 @@ class ServerMetrics:
         self.waiting.set(waiting)
         self.kv_used.set(kv_used)
         self.kv_total.set(kv_total)
-        self.vllm_running.set(running)
-        self.vllm_waiting.set(waiting)
-        self.vllm_kv_usage.set(kv_used / kv_total if kv_total > 0 else 0.0)
+        usage = kv_used / kv_total if kv_total > 0 else 0.0
+        self.kv_usage.set(usage)
+        self.vllm.set_engine_state(running, waiting, usage)
         if preemptions > self._seen_preemptions:
             self.preemptions.inc(preemptions - self._seen_preemptions)
             self._seen_preemptions = preemptions
@@ -453,3 +486,36 @@ class ServerMetrics:
     def render(self) -> bytes:
         """The exposition text of every metric."""
         return generate_latest(self.registry)
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """The few totals the stats log line reads from an exposition (summed over labels, so
+    over replicas too)."""
+
+    running: float
+    waiting: float
+    kv_used: float
+    kv_total: float
+    generated_tokens: float
+    finished: float
+    slo_attained: float
+    slo_violated: float
+
+
+def snapshot(text: bytes | str) -> MetricsSnapshot:
+    """The MetricsSnapshot of an exposition text (this server's, or a cluster's relabelled)."""
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text if isinstance(text, str) else text.decode()):
+        for s in family.samples:
+            totals[s.name] = totals.get(s.name, 0.0) + s.value
+    return MetricsSnapshot(
+        running=totals.get("adaserve_num_requests_running", 0.0),
+        waiting=totals.get("adaserve_num_requests_waiting", 0.0),
+        kv_used=totals.get("adaserve_kv_blocks_used", 0.0),
+        kv_total=totals.get("adaserve_kv_blocks_total", 0.0),
+        generated_tokens=totals.get("adaserve_emitted_tokens_total", 0.0),
+        finished=totals.get("adaserve_requests_total", 0.0),
+        slo_attained=totals.get("adaserve_slo_attained_total", 0.0),
+        slo_violated=totals.get("adaserve_slo_violated_total", 0.0),
+    )

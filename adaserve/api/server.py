@@ -1,13 +1,15 @@
 """The FastAPI app and its uvicorn server.
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models (these three need
-the API key when one is set), GET /health, GET /metrics. `build_app` wires one LLMEngine
-into an app; `serve` runs it with uvicorn and shuts down gracefully: on SIGINT/SIGTERM new
-requests get 503, running ones may finish for `shutdown_timeout_s`, the rest are aborted.
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, POST /tokenize,
+POST /detokenize (these need the API key when one is set), GET /health, GET /version,
+GET /metrics. `build_app` wires one LLMEngine into an app; `serve` runs it with uvicorn and
+shuts down gracefully: on SIGINT/SIGTERM new requests get 503, running ones may finish for
+`shutdown_timeout_s`, the rest are aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import inspect
@@ -24,7 +26,10 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from adaserve import __version__
 from adaserve.api.async_engine import AsyncEngine, EngineFront
 from adaserve.api.errors import (
     APIError,
@@ -32,6 +37,7 @@ from adaserve.api.errors import (
     http_error_handler,
     internal_error_handler,
 )
+from adaserve.api.logs import StatsLogger
 from adaserve.api.metrics import ServerMetrics
 from adaserve.api.protocol import (
     ChatCompletionRequest,
@@ -42,7 +48,14 @@ from adaserve.api.protocol import (
     ModelCard,
     ModelList,
 )
-from adaserve.api.serving import OpenAIServing
+from adaserve.api.serving import REQUEST_ID_HEADER, OpenAIServing
+from adaserve.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    Tokenization,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from adaserve.config import ServerConfig
 from adaserve.llm import LLMEngine
 
@@ -87,7 +100,7 @@ def model_info(engine: LLMEngine, cfg: ServerConfig) -> ModelInfo:
 def build_app(engine: LLMEngine, cfg: ServerConfig) -> FastAPI:
     """An app serving `engine`; the engine thread starts and stops with the app's lifespan."""
     info = model_info(engine, cfg)
-    metrics = ServerMetrics(cfg.slo_classes, model_name=info.name)
+    metrics = ServerMetrics(cfg.slo_classes, model_name=info.name, vllm_aliases=cfg.vllm_metrics)
     metrics.drafter_info.labels(info.policy, info.drafter).set(1)
     metrics.backend_info.labels(info.backend).set(1)
     return make_app(AsyncEngine(engine, metrics, cfg.admission), info, cfg, metrics.render)
@@ -104,17 +117,36 @@ def make_app(
     name = info.name
     metrics = front.metrics
     serving = OpenAIServing(front, cfg, name, info.max_waiting)
+    tokenization = Tokenization(front, name, info.max_model_len)
     created = int(time.time())
+
+    stats_logger = None
+    if cfg.log_stats_interval_s > 0:
+        stats_logger = StatsLogger(render_metrics, cfg.log_stats_interval_s)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         front.start()
+        stats = None if stats_logger is None else asyncio.create_task(stats_logger.run())
         yield
         serving.draining = True
+        if stats is not None:
+            stats.cancel()
         await front.shutdown()
 
-    app = FastAPI(title="adaserve", version="0.1.0", lifespan=lifespan)
+    app = FastAPI(title="adaserve", version=__version__, lifespan=lifespan)
     app.state.serving, app.state.metrics, app.state.async_engine = serving, metrics, front
+    app.state.stats_logger = stats_logger
+    app.add_middleware(EchoRequestId)
+    if cfg.allowed_origins:  # added last: outermost, so preflights never reach auth
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cfg.allowed_origins),
+            allow_methods=list(cfg.allowed_methods),
+            allow_headers=list(cfg.allowed_headers),
+            # What a browser script may read of a response besides the simple headers.
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, internal_error_handler)
@@ -131,7 +163,7 @@ def make_app(
         # of one matched shows in the response time.
         matches = [hmac.compare_digest(sent, k) for k in keys]
         if scheme.lower() != "bearer" or not any(matches):
-            metrics.rejected.labels("unauthorized").inc()
+            metrics.reject("unauthorized")
             raise APIError(
                 401,
                 "missing or wrong API key; send the header 'Authorization: "
@@ -159,6 +191,18 @@ def make_app(
             ]
         )
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize(request: Request) -> TokenizeResponse:
+        return await tokenization.tokenize(request)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize(request: Request) -> DetokenizeResponse:
+        return await tokenization.detokenize(request)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
     @app.get("/health")
     async def health() -> Response:
         if serving.draining:
@@ -180,11 +224,14 @@ def make_app(
     return app
 
 
-# (path, request model, response model) of the routes that read their body themselves (to
-# answer in OpenAI's error format); their schemas go into the OpenAPI document by hand.
+# (path, request model, response model, streams) of the routes that read their body
+# themselves (to answer in OpenAI's error format); their schemas go into the OpenAPI document
+# by hand.
 _BODIES = (
-    ("/v1/completions", CompletionRequest, CompletionResponse),
-    ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse),
+    ("/v1/completions", CompletionRequest, CompletionResponse, True),
+    ("/v1/chat/completions", ChatCompletionRequest, ChatCompletionResponse, True),
+    ("/tokenize", TokenizeRequest, TokenizeResponse, False),
+    ("/detokenize", DetokenizeRequest, DetokenizeResponse, False),
 )
 _ERRORS = {
     "400": "invalid request: the message names the field (`param`) to fix",
@@ -195,8 +242,34 @@ _ERRORS = {
 }
 
 
+class EchoRequestId:
+    """Every response to a request that carried X-Request-Id carries it back, errors
+    included; a generation response without one carries the server's id (serving.py)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        key = REQUEST_ID_HEADER.encode()
+        sent = None
+        if scope["type"] == "http":
+            sent = next((v for k, v in scope["headers"] if k == key), None)
+        if sent is None:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                if not any(k.lower() == key for k, _ in headers):
+                    message = {**message, "headers": [*headers, (key, sent)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def describe_api(app: FastAPI) -> None:
-    """Publish the request and response bodies of the completion routes in /openapi.json."""
+    """Publish the request and response bodies of the body-reading routes in /openapi.json."""
     base = app.openapi
 
     def openapi() -> dict:
@@ -212,20 +285,22 @@ def describe_api(app: FastAPI) -> None:
             return {"$ref": f"#/components/schemas/{model.__name__}"}
 
         error = ref(ErrorResponse)
-        for path, request, response in _BODIES:
+        for path, request, response, streams in _BODIES:
             op = schema["paths"][path]["post"]
             op["requestBody"] = {
                 "required": True,
                 "content": {"application/json": {"schema": ref(request)}},
             }
+            content = {"application/json": {"schema": ref(response)}}
+            if streams:
+                content["text/event-stream"] = {"schema": {"type": "string"}}
             op["responses"] = {
                 "200": {
                     "description": "the answer; with `stream: true` server-sent events of "
-                    "chunks, then `data: [DONE]`",
-                    "content": {
-                        "application/json": {"schema": ref(response)},
-                        "text/event-stream": {"schema": {"type": "string"}},
-                    },
+                    "chunks, then `data: [DONE]`"
+                    if streams
+                    else "the answer",
+                    "content": content,
                 },
                 **{
                     code: {"description": text, "content": {"application/json": {"schema": error}}}
@@ -306,7 +381,10 @@ def make_server(
         # final chunks went out.
         # (uvicorn annotates an int but hands it to asyncio.wait_for, which takes a float.)
         timeout_graceful_shutdown=None if shutdown_timeout_s is None else shutdown_timeout_s + 5,  # type: ignore[arg-type]
+        # Our own access line per finished request (logs.py) replaces uvicorn's per response.
         access_log=False,
+        # uvicorn's lines go to the root logger, formatted (timestamps) like every other line.
+        log_config=None,
     )
     return _GracefulServer(config, app.state.serving, shutdown_timeout_s)
 

@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -50,6 +50,8 @@ from adaserve.config import ServerConfig
 # SLOs given as request headers, for clients and proxies that set headers but do not rewrite
 # bodies (a Gateway API HTTPRoute filter, an ingress annotation). The body field wins when a
 # request carries both.
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
 SLO_HEADERS = {"x-slo-tpot-ms": "slo_tpot_ms", "x-slo-ttft-ms": "slo_ttft_ms"}
 
 
@@ -73,6 +75,61 @@ def slo_from_headers(headers: Mapping[str, str]) -> dict[str, float]:
             )
         found[field] = value
     return found
+
+
+# A client's own request id (X-Request-Id): echoed back, and part of the server's id, so one
+# id follows the request through proxies, responses and the server log.
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_LEN = 128
+
+
+def client_request_id(headers: Mapping[str, str]) -> str | None:
+    """The X-Request-Id the client sent (None: none); a 400 unless it is 1-128 printable
+    characters without spaces (it goes into ids and log lines)."""
+    sent = headers.get(REQUEST_ID_HEADER)
+    if sent is None:
+        return None
+    if not (0 < len(sent) <= MAX_REQUEST_ID_LEN and all("!" <= c <= "~" for c in sent)):
+        raise APIError(
+            400,
+            f"header {REQUEST_ID_HEADER} must be 1 to {MAX_REQUEST_ID_LEN} printable ASCII "
+            f"characters without spaces, got {sent[:40]!r}",
+            param=REQUEST_ID_HEADER,
+        )
+    return sent
+
+
+def request_id(kind: str, headers: Mapping[str, str]) -> str:
+    """The server's id of a new request: `kind-CLIENTID-suffix` when the client sent an
+    X-Request-Id (the suffix keeps two requests reusing one id apart), else `kind-random`."""
+    sent = client_request_id(headers)
+    if sent is None:
+        return f"{kind}-{uuid.uuid4().hex}"
+    return f"{kind}-{sent}-{uuid.uuid4().hex[:8]}"
+
+
+async def parse_body(request: Request, model: type[BodyT], served_name: str) -> BodyT:
+    """The JSON body validated as `model`: a 400 naming the field, or a 404 for another model."""
+    raw = await request.body()
+    try:
+        data = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    try:
+        body = model.model_validate(data)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise APIError(400, message, param=param) from None
+    name = getattr(body, "model", None)
+    if name is not None and name != served_name:
+        raise APIError(
+            404,
+            f"model {name!r} does not exist; this server serves "
+            f"{served_name!r} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
+    return body
 
 
 def _reject_constant(name: str) -> Any:
@@ -136,24 +193,7 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ admission
     async def _parse(self, request: Request, model: type[_SamplingRequest]) -> _SamplingRequest:
-        raw = await request.body()
-        try:
-            data = json.loads(raw, parse_constant=_reject_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise APIError(400, f"request body is not valid JSON: {exc}") from None
-        try:
-            body = model.model_validate(data)
-        except ValidationError as exc:
-            message, param = describe_validation_error(exc)
-            raise APIError(400, message, param=param) from None
-        if body.model is not None and body.model != self.model_name:
-            raise APIError(
-                404,
-                f"model {body.model!r} does not exist; this server serves "
-                f"{self.model_name!r} (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+        body = await parse_body(request, model, self.model_name)
         from_headers = {
             field: value
             for field, value in slo_from_headers(request.headers).items()
@@ -164,7 +204,7 @@ class OpenAIServing:
     def _admit(self) -> None:
         retry = {"Retry-After": str(self.cfg.retry_after_s)}
         if self.draining or not self.engine.alive:
-            self.engine.metrics.rejected.labels("unavailable").inc()
+            self.engine.metrics.reject("unavailable")
             raise APIError(
                 503,
                 "the server is shutting down; retry on another replica or later",
@@ -172,7 +212,7 @@ class OpenAIServing:
                 headers=retry,
             )
         if self.max_waiting is not None and self.engine.num_waiting >= self.max_waiting:
-            self.engine.metrics.rejected.labels("queue_full").inc()
+            self.engine.metrics.reject("queue_full")
             raise APIError(
                 429,
                 f"the waiting queue is full ({self.engine.num_waiting} requests "
@@ -187,6 +227,7 @@ class OpenAIServing:
         self, request: Request, body: _SamplingRequest, kind: str, **prompt: Any
     ) -> Response:
         arrival = time.monotonic()
+        rid = request_id(kind, request.headers)
         try:
             params = body.to_sampling_params(self.cfg.default_slo_tpot_ms)
         except ValueError as exc:  # pydantic checked the fields; this is the engine's word
@@ -194,7 +235,7 @@ class OpenAIServing:
         self._admit()
         chat = kind == "chatcmpl"
         stream = self.engine.submit(
-            f"{kind}-{uuid.uuid4().hex}",
+            rid,
             params,
             arrival_time=arrival,
             fill_max_tokens=chat and body.requested_max_tokens() is None,
@@ -213,7 +254,7 @@ class OpenAIServing:
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Refused):
-            self.engine.metrics.rejected.labels("slo_unattainable").inc()
+            self.engine.metrics.reject("slo_unattainable")
             raise APIError(
                 429,
                 first.message,
@@ -230,14 +271,16 @@ class OpenAIServing:
             raise APIError(400, first.message, param="prompt")
         assert isinstance(first, Accepted)
         reply = _Reply(stream.request_id, self.model_name, chat, body, first.prompt_token_ids)
+        # The client's own id when it sent one (`echo_request_id` adds it to every response).
+        own_id = {} if REQUEST_ID_HEADER in request.headers else {"X-Request-Id": rid}
         if body.stream:
             return StreamingResponse(
                 self._sse(stream, reply),
                 media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **own_id},
                 background=BackgroundTask(self.engine.abort, stream),
             )
-        return await self._collect(request, stream, reply)
+        return await self._collect(request, stream, reply, own_id)
 
     async def _sse(self, stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
         try:
@@ -259,7 +302,9 @@ class OpenAIServing:
         finally:  # the client went away (or we are done): free the request's KV now
             self.engine.abort(stream)
 
-    async def _collect(self, request: Request, stream: RequestStream, reply: _Reply) -> Response:
+    async def _collect(
+        self, request: Request, stream: RequestStream, reply: _Reply, headers: dict[str, str]
+    ) -> Response:
         watcher = asyncio.create_task(self._abort_on_disconnect(request, stream))
         try:
             while True:
@@ -268,7 +313,7 @@ class OpenAIServing:
                     raise APIError(500, item.message)
                 assert isinstance(item, Delta)
                 if item.finished:
-                    return JSONResponse(reply.full(item).model_dump())
+                    return JSONResponse(reply.full(item).model_dump(), headers=headers)
         finally:
             watcher.cancel()
             self.engine.abort(stream)

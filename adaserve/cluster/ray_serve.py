@@ -51,11 +51,14 @@ from adaserve.api.async_engine import (
     ENGINE_STOPPED,
     AsyncEngine,
     EngineFailed,
+    Rejected,
     RequestStream,
     StreamBook,
     StreamItem,
+    Tokenize,
     ends_stream,
 )
+from adaserve.api.logs import configure_logging
 from adaserve.api.metrics import ServerMetrics
 from adaserve.api.server import ModelInfo, make_app, model_info
 from adaserve.cluster.router import ReplicaStats, Router, replica_stats
@@ -80,10 +83,12 @@ class EngineReplica:
     def __init__(self, args: argparse.Namespace, cfg: ServerConfig, board: ray.actor.ActorHandle):
         from adaserve.cli import build_engine
 
-        logging.basicConfig(level=args.log_level.upper())
+        configure_logging(args.log_level)
         self.engine, _ = build_engine(args)
         self.model = model_info(self.engine, cfg)
-        metrics = ServerMetrics(cfg.slo_classes, model_name=self.model.name)
+        metrics = ServerMetrics(
+            cfg.slo_classes, model_name=self.model.name, vllm_aliases=cfg.vllm_metrics
+        )
         metrics.drafter_info.labels(self.model.policy, self.model.drafter).set(1)
         metrics.backend_info.labels(self.model.backend).set(1)
         self.front = AsyncEngine(self.engine, metrics, cfg.admission)
@@ -130,6 +135,19 @@ class EngineReplica:
                     return
         finally:
             self.front.abort(stream)
+
+    async def tokenize(self, t: Tokenize) -> list[int] | Rejected:
+        """/tokenize on this replica's tokenizer (bad input comes back as Rejected)."""
+        try:
+            return await self.front.tokenize(t)
+        except ValueError as exc:
+            return Rejected(str(exc))
+
+    async def detokenize(self, token_ids: list[int]) -> str | Rejected:
+        try:
+            return await self.front.detokenize(token_ids)
+        except ValueError as exc:
+            return Rejected(str(exc))
 
     async def record_routing_stats(self) -> dict[str, float]:
         """What the SLO router ranks this replica by; the metrics go to the board meanwhile."""
@@ -254,6 +272,22 @@ class RemoteEngine(StreamBook):
             self._pumps.pop(stream.request_id, None)
             self._streams.pop(stream.request_id, None)
 
+    async def tokenize(self, t: Tokenize) -> list[int]:
+        return await self._ask(self.handle.tokenize.remote(t))
+
+    async def detokenize(self, token_ids: list[int]) -> str:
+        return await self._ask(self.handle.detokenize.remote(token_ids))
+
+    async def _ask(self, call: Any) -> Any:
+        """A replica's answer; its Rejected as ValueError (400), its failure as RuntimeError."""
+        try:
+            answer = await call
+        except Exception as exc:
+            raise RuntimeError(f"no replica could answer: {exc}") from exc
+        if isinstance(answer, Rejected):
+            raise ValueError(answer.message)
+        return answer
+
     def abort(self, stream: RequestStream) -> None:
         if not stream.done:
             self._mark_done(stream)
@@ -338,8 +372,11 @@ class Ingress:
         self.engine, self.cfg, self.board = engine, cfg, board
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
+        configure_logging(self.cfg.log_level)  # the cluster's stats line is written here
         info: ModelInfo = await self.engine.info.remote()
-        metrics = ServerMetrics(self.cfg.slo_classes, model_name=info.name)
+        metrics = ServerMetrics(
+            self.cfg.slo_classes, model_name=info.name, vllm_aliases=self.cfg.vllm_metrics
+        )
         front = RemoteEngine(self.engine, metrics)
 
         async def render() -> bytes:

@@ -57,6 +57,8 @@ class RequestMetrics:
     """Timing of one request, in seconds (monotonic clock) and derived latencies."""
 
     arrival_time: float
+    # First admitted to the batch (KV reserved); a preempted request keeps its first time.
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finish_time: float | None = None
@@ -115,6 +117,23 @@ class RequestMetrics:
     @property
     def e2e_s(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+    # A request's three phases (vLLM's queue, prefill and decode times): they add up to the
+    # arrival-to-last-token time. None for a phase it never reached.
+    @property
+    def queue_s(self) -> float | None:
+        t = self.first_scheduled_time
+        return None if t is None else t - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        t, first = self.first_scheduled_time, self.first_token_time
+        return None if t is None or first is None else first - t
+
+    @property
+    def decode_s(self) -> float | None:
+        first, last = self.first_token_time, self.last_token_time
+        return None if first is None or last is None else last - first
 
 
 @dataclass
@@ -210,6 +229,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def schedule(self, now: float) -> None:
+        """Admitted to the batch: its KV is reserved and its prompt will be computed."""
+        self.status = RequestStatus.RUNNING
+        if self.metrics.first_scheduled_time is None:
+            self.metrics.first_scheduled_time = now
 
     def append_token(self, token: int, now: float) -> None:
         self.output_token_ids.append(token)

@@ -202,7 +202,7 @@ class Scheduler:
             t_cache.reserve(req.block_table, n)
             if d is not None:
                 d.cache.reserve(req.draft_block_table, n)
-            req.status = RequestStatus.RUNNING
+            req.schedule(self.clock())
             admitted.append(req)
             tokens += n - req.num_cached
             reserve += 1

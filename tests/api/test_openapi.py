@@ -70,5 +70,10 @@ def test_fuzzed_requests_get_no_5xx_and_openai_errors(server) -> None:
                 assert {"message", "type", "param", "code"} <= set(err), response.text
 
         fuzz()
-    assert set(seen) == {"/v1/completions", "/v1/chat/completions"}, seen
+    assert set(seen) == {
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/tokenize",
+        "/detokenize",
+    }, seen
     assert min(seen.values()) >= 30, f"too few fuzzed requests: {seen}"

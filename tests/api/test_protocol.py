@@ -135,16 +135,16 @@ def test_two_servers_metrics_do_not_collide() -> None:
     classes = parse_slo_classes("fast=50,slow=inf")
     a, b = ServerMetrics(classes), ServerMetrics(classes)  # would raise on a shared registry
     a.observe_finished(FinishedRequest("stop", 40.0, "fast", True, 3, 10, 0.1, 30.0, 0.5, 4, 2))
-    assert b'adaserve_goodput_tokens_total{slo_class="fast"} 10.0' in a.render()
-    assert b'adaserve_goodput_tokens_total{slo_class="fast"} 0.0' in b.render()
+    assert b'adaserve_goodput_tokens_total{model_name="",slo_class="fast"} 10.0' in a.render()
+    assert b'adaserve_goodput_tokens_total{model_name="",slo_class="fast"} 0.0' in b.render()
 
 
 def test_violation_counts_no_goodput() -> None:
     m = ServerMetrics(parse_slo_classes("fast=50"))
     m.observe_finished(FinishedRequest("length", 40.0, "fast", False, 3, 10, 0.1, 90.0, 1.0, 0, 0))
     text = m.render().decode()
-    assert 'adaserve_slo_violated_total{slo_class="fast"} 1.0' in text
-    assert 'adaserve_goodput_tokens_total{slo_class="fast"} 0.0' in text
+    assert 'adaserve_slo_violated_total{model_name="",slo_class="fast"} 1.0' in text
+    assert 'adaserve_goodput_tokens_total{model_name="",slo_class="fast"} 0.0' in text
 
 
 def test_a_late_first_token_is_a_violation_but_the_tpot_only_counter_keeps_it() -> None:
@@ -155,10 +155,10 @@ def test_a_late_first_token_is_a_violation_but_the_tpot_only_counter_keeps_it() 
     )  # fmt: skip
     m.observe_finished(late)
     text = m.render().decode()
-    assert 'adaserve_slo_violated_total{slo_class="fast"} 1.0' in text
-    assert 'adaserve_goodput_tokens_total{slo_class="fast"} 0.0' in text
-    assert 'adaserve_tpot_slo_attained_total{slo_class="fast"} 1.0' in text
-    assert 'adaserve_ttft_slo_violated_total{slo_class="fast"} 1.0' in text
+    assert 'adaserve_slo_violated_total{model_name="",slo_class="fast"} 1.0' in text
+    assert 'adaserve_goodput_tokens_total{model_name="",slo_class="fast"} 0.0' in text
+    assert 'adaserve_tpot_slo_attained_total{model_name="",slo_class="fast"} 1.0' in text
+    assert 'adaserve_ttft_slo_violated_total{model_name="",slo_class="fast"} 1.0' in text
 
 
 def test_serve_flags_reach_the_configs() -> None:

@@ -138,6 +138,23 @@ def test_bad_input_gets_the_single_servers_400(cluster, tiny_llama):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_tokenize_and_the_model_label_through_the_cluster(cluster, tiny_llama):
+    r = httpx.post(f"{cluster}/tokenize", json={"prompt": "t5 t6 t7"}, timeout=30)
+    assert r.status_code == 200 and r.json()["tokens"] == [5, 6, 7], r.text
+    r = httpx.post(f"{cluster}/detokenize", json={"tokens": [5, 10**6]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens", r.text
+    # Every replica's request-level samples keep their model_name beside the replica label.
+    text = httpx.get(f"{cluster}/metrics", timeout=30).text
+    labels = [
+        s.labels
+        for fam in text_string_to_metric_families(text)
+        if fam.name == "adaserve_requests"
+        for s in fam.samples
+        if s.labels["replica"] != "ingress"
+    ]
+    assert labels and all(lab["model_name"] == str(tiny_llama) for lab in labels), labels
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_replicas_kv(cluster, tiny_llama):
     body = {
         "model": str(tiny_llama),

@@ -122,8 +122,11 @@ def read_metrics(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], floa
 
 
 def metric(samples: dict, name: str, **labels: str) -> float:
-    """One sample's value (0 when absent)."""
-    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum over the samples `name` carrying these labels, whatever their other labels
+    (PromQL's `sum(name{labels})`; 0 when none). Request-level metrics also carry
+    `model_name`, which a test of one server need not name."""
+    wanted = set(labels.items())
+    return sum(value for (n, pairs), value in samples.items() if n == name and wanted <= set(pairs))
 
 
 def wait_for(
