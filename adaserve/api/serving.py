@@ -47,11 +47,11 @@ from adaserve.api.protocol import (
 )
 from adaserve.config import ServerConfig
 
+BodyT = TypeVar("BodyT", bound=BaseModel)
+
 # SLOs given as request headers, for clients and proxies that set headers but do not rewrite
 # bodies (a Gateway API HTTPRoute filter, an ingress annotation). The body field wins when a
 # request carries both.
-BodyT = TypeVar("BodyT", bound=BaseModel)
-
 SLO_HEADERS = {"x-slo-tpot-ms": "slo_tpot_ms", "x-slo-ttft-ms": "slo_ttft_ms"}
 
 
