@@ -224,10 +224,9 @@ def compare_table(results: Sequence[dict]) -> str:
 def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
     """Four panels vs RPS, a line per system: attainment (TPOT-only dashed), goodput
     (throughput dashed), TTFT p50 (p99 dashed), TPOT p50 (p90 dashed)."""
-    import matplotlib
+    from adaserve.bench.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     panels = [

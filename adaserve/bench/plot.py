@@ -19,6 +19,21 @@ from adaserve.bench.report import load_results
 Point = tuple[float, dict]
 
 
+def pyplot():
+    """matplotlib's pyplot drawing to files only (no display assumed); a clear error when the
+    `plot` extra is not installed."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ImportError(
+            "figures need matplotlib: pip install 'adaserve[plot]' (or leave out --plot)"
+        ) from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def series(results: Sequence[dict]) -> dict[str, list[Point]]:
     """Per label, its results sorted by RPS (the last result per RPS wins)."""
     by_label: dict[str, dict[float, dict]] = {}
@@ -31,10 +46,7 @@ def series(results: Sequence[dict]) -> dict[str, list[Point]]:
 
 def plot_results(results: Sequence[dict], out: str | Path, title: str | None = None) -> Path:
     """Draw the two panels to a PNG; returns its path."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only: no display needed, none assumed
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     data = series(results)
     if not data:

@@ -133,10 +133,9 @@ def summarize(samples: list[dict], warmup_s: float) -> dict[str, dict[str, float
 
 
 def plot(samples: list[dict], path: Path) -> None:
-    import matplotlib
+    from adaserve.bench.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = [s["t_s"] / 60 for s in samples]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)

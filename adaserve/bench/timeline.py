@@ -36,10 +36,9 @@ def summarize_timeline(rows: list[dict]) -> dict[str, float]:
 
 
 def plot_timeline(rows: list[dict], out: str | Path, title: str | None = None) -> Path:
-    import matplotlib
+    from adaserve.bench.plot import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     t = [r["t"] - rows[0]["t"] for r in rows]
     roots = [r["decode_rows"] for r in rows]

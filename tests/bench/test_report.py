@@ -139,3 +139,15 @@ def test_attainment_counts_the_first_token_against_its_objective() -> None:
     assert s["ttft_judged"] == 4
     unjudged = rec(1, "abs=50ms", 50.0, 0.0, 9.0, 9.4, 11)  # no prefill speed known
     assert unjudged.ttft_objective_ms is None and unjudged.slo_attained
+
+
+def test_figures_without_matplotlib_name_the_extra_to_install(monkeypatch):
+    """matplotlib is the `plot` extra, not a core dependency: asking for a figure without it
+    says what to install instead of failing on a bare import."""
+    import sys
+
+    from adaserve.bench.plot import pyplot
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(ImportError, match=r"pip install 'adaserve\[plot\]'"):
+        pyplot()

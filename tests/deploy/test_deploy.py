@@ -55,10 +55,11 @@ def exported_metric_names() -> set[str]:
     return names
 
 
-def test_promtool_accepts_the_prometheus_config():
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus-host.yml"])
+def test_promtool_accepts_the_prometheus_config(config):
     _, promtool = prometheus_binaries()
     out = subprocess.run(
-        [promtool, "check", "config", str(DEPLOY / "prometheus.yml")],
+        [promtool, "check", "config", str(DEPLOY / config)],
         capture_output=True,
         text=True,
     )
@@ -95,6 +96,41 @@ def test_compose_file_parses_and_everything_it_references_exists():
         "Prometheus must scrape both replicas"
     )
     assert prom["global"]["scrape_interval"] == "5s"
+
+
+def test_the_host_compose_file_watches_the_server_make_serve_starts():
+    """docker-compose.host.yml runs no server of its own: its Prometheus scrapes the address
+    `adaserve serve` listens on by default, and its Grafana reads that Prometheus."""
+    compose = yaml.safe_load((DEPLOY / "docker-compose.host.yml").read_text())
+    services = compose["services"]
+    assert set(services) == {"prometheus", "grafana"}, "the host file must start no server"
+    for name, svc in services.items():
+        assert svc.get("network_mode") == "host", f"{name} cannot reach the host's loopback"
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            assert (DEPLOY / src).exists(), f"{name} mounts {src}, which does not exist"
+    mounted = {v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    assert mounted == {"./prometheus-host.yml"}
+    prom = yaml.safe_load((DEPLOY / "prometheus-host.yml").read_text())
+    targets = [
+        t for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+    ]
+    default = ServerConfig()
+    assert targets == [f"{default.host}:{default.port}"], f"scrapes {targets}, not the default"
+    # One Grafana provisioning for both files: each sets the Prometheus it reads.
+    datasource = yaml.safe_load(
+        (DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text()
+    )["datasources"][0]
+    assert datasource["url"] == "${ADASERVE_PROMETHEUS_URL}"
+    listen = next(
+        a.split("=", 1)[1]
+        for a in services["prometheus"]["command"]
+        if a.startswith("--web.listen-address=")
+    )
+    env = services["grafana"]["environment"]
+    assert env["ADASERVE_PROMETHEUS_URL"] == f"http://{listen}"
+    own = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())["services"]
+    assert own["grafana"]["environment"]["ADASERVE_PROMETHEUS_URL"] == "http://prometheus:9090"
 
 
 def test_dashboard_is_grafana_json_and_queries_only_exported_metrics():
