@@ -1,8 +1,23 @@
-"""Stop conditions and incremental detokenization of a request's output."""
+"""Stop conditions and incremental detokenization of a request's output.
+
+Text is decoded as tokens arrive, by the tokenizers library's streaming decoder: each new token
+costs the same however long the output is (decoding the whole output again after every token
+cost O(length) per token, on the engine thread every stream waits for). It yields complete
+characters only; a finished request's text is one whole decode, exactly as before.
+"""
 
 from __future__ import annotations
 
+import logging
+
+from tokenizers.decoders import DecodeStream
+
 from adaserve.request_manager.request import CompletionOutput, Request, RequestOutput
+
+logger = logging.getLogger(__name__)
+
+# Marks a request whose streaming decoder failed: its text is decoded whole from then on.
+_WHOLE = "whole"
 
 
 class OutputProcessor:
@@ -13,6 +28,11 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        # The streaming decoder needs the Rust tokenizer, and matches a whole decode only
+        # where transformers does not clean up spaces afterwards.
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        cleanup = getattr(tokenizer, "clean_up_tokenization_spaces", False)
+        self.backend = backend if backend is not None and not cleanup else None
 
     def commit(self, req: Request, tokens: list[int], now: float) -> int:
         """Append tokens one by one until a stop condition; returns how many were taken."""
@@ -32,24 +52,55 @@ class OutputProcessor:
         return len(tokens)
 
     def _hit_stop_string(self, req: Request) -> bool:
-        text = self._decode(req)
-        for s in req.params.stop:
-            at = text.find(s)
-            if at != -1:
-                req.stop_text = text[:at]
-                return True
+        text = self._text(req)
+        # Only where a match could end in text new since the last search.
+        longest = max(len(s) for s in req.params.stop)
+        start = max(0, req.stop_searched - longest + 1)
+        req.stop_searched = len(text)
+        found = [at for s in req.params.stop if (at := text.find(s, start)) != -1]
+        if found:
+            req.stop_text = text[: min(found)]
+            return True
         return False
 
     def _decode(self, req: Request) -> str:
+        """The whole output decoded at once (trailing U+FFFD for an incomplete character)."""
         return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+
+    def _text(self, req: Request) -> str:
+        """The output's complete characters so far, decoded incrementally."""
+        if self.backend is None or req.detok == _WHOLE:
+            return self._decode(req).rstrip("\ufffd")
+        if req.detok is None:
+            req.detok = DecodeStream(skip_special_tokens=True)
+        ids = req.output_token_ids
+        chunks = []
+        try:
+            for t in ids[req.detok_len :]:
+                chunk = req.detok.step(self.backend, t)  # type: ignore[attr-defined]
+                if chunk is not None:
+                    chunks.append(chunk)
+        except Exception:  # an id the tokenizer does not know: decode whole from now on
+            logger.warning("streaming detokenization failed for %s", req.request_id)
+            req.detok = _WHOLE
+            return self._text(req)
+        req.detok_len = len(ids)
+        if chunks:
+            req.text += "".join(chunks)
+        return req.text
 
     def make_output(self, req: Request) -> RequestOutput:
         """Snapshot with the text/tokens not yet sent in `delta_*` (and marks them sent)."""
-        text = req.stop_text if req.stop_text is not None else self._decode(req)
+        if req.stop_text is not None:
+            text = req.stop_text
+        elif req.finished:
+            text = self._decode(req)
+        else:
+            text = self._text(req)
         visible = text
         if not req.finished:
-            # Hold back an incomplete UTF-8 character and a possible start of a stop string.
-            visible = visible.rstrip("\ufffd")
+            # Hold back a possible start of a stop string (an incomplete UTF-8 character
+            # is not in the text yet).
             for s in req.params.stop:
                 for k in range(min(len(s) - 1, len(visible)), 0, -1):
                     if visible.endswith(s[:k]):

@@ -204,6 +204,13 @@ class Request:
         self.stop_text: str | None = None
         self.sent_text_len = 0
         self.sent_token_len = 0
+        # Incremental detokenization (OutputProcessor): the streaming decoder, the complete
+        # characters of the first `detok_len` output tokens, and how far stop strings were
+        # searched in them.
+        self.detok: object | None = None
+        self.text = ""
+        self.detok_len = 0
+        self.stop_searched = 0
 
     @property
     def ttft_objective_ms(self) -> float | None:
