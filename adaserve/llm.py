@@ -20,6 +20,32 @@ from adaserve.request_manager.request import Request, RequestOutput, SamplingPar
 from adaserve.request_manager.scheduler import Scheduler
 
 
+def encode_prompt(tokenizer, prompt: str | Sequence[int], add_special_tokens: bool = False):
+    """A prompt's token ids as requests get them (no BOS or other special tokens added,
+    unless asked: the prompt text is what the client sent)."""
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    return [int(t) for t in prompt]
+
+
+def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    """Chat messages through the tokenizer's chat template, as token ids."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True
+    )
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        ids = ids["input_ids"]
+    return list(ids)
+
+
+def decode_ids(tokenizer, vocab_size: int, token_ids: Sequence[int]) -> str:
+    """The text of token ids; ValueError naming the first id outside the vocabulary."""
+    for i, t in enumerate(token_ids):
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab_size})")
+    return tokenizer.decode(list(token_ids))
+
+
 class LLMEngine:
     """Continuous-batching engine over one target (and draft) model."""
 
@@ -52,29 +78,15 @@ class LLMEngine:
         return self.engine.max_model_len
 
     def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
-        """A prompt's token ids as requests get them (no BOS or other special tokens added,
-        unless asked: the prompt text is what the client sent)."""
-        if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        return [int(t) for t in prompt]
+        return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True
     ) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
-        if isinstance(ids, dict) or hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return encode_chat(self.tokenizer, messages, add_generation_prompt)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
-        """The text of token ids; ValueError naming the first id outside the vocabulary."""
-        vocab = self.engine.vocab_size
-        for i, t in enumerate(token_ids):
-            if not 0 <= t < vocab:
-                raise ValueError(f"tokens[{i}] = {t} is outside the vocabulary [0, {vocab})")
-        return self.tokenizer.decode(list(token_ids))
+        return decode_ids(self.tokenizer, self.engine.vocab_size, token_ids)
 
     def add_request(
         self,

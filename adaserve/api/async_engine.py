@@ -1,27 +1,31 @@
 """The engine loop in its own thread, talking to asyncio through queues.
 
-`LLMEngine` is single-threaded, so one thread owns it and everything that touches it
-(tokenizer included: the detokenizer runs in `step()`). HTTP handlers send commands (add,
-abort, stop) through a thread-safe queue; the engine thread drains them between iterations,
-so requests from all connections batch together, and posts each request's results back to
-the event loop with `call_soon_threadsafe`, one callback per iteration.
+`LLMEngine` is single-threaded, so one thread owns it (the detokenizer runs in `step()`).
+Prompts are tokenized and chat-templated before they reach it, on a tokenizer thread with a
+copy of the tokenizer of its own, so a long prompt never stalls the streams in the batch;
+/tokenize and /detokenize run there too. HTTP handlers send commands (add, abort, stop)
+through a thread-safe queue; the engine thread drains them between iterations, so requests
+from all connections batch together, and posts each request's results back to the event loop
+with `call_soon_threadsafe`, one callback per iteration.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import queue
 import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 from adaserve.api.logs import log_finished
 from adaserve.api.metrics import FinishedRequest, ServerMetrics
-from adaserve.llm import LLMEngine
+from adaserve.llm import LLMEngine, decode_ids, encode_chat, encode_prompt
 from adaserve.request_manager.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger("adaserve.api")
@@ -87,11 +91,11 @@ class Tokenize:
     add_special_tokens: bool = False
     add_generation_prompt: bool = True
 
-    def run(self, engine: LLMEngine) -> list[int]:
+    def run(self, tokenizer) -> list[int]:
         if self.messages is not None:
-            return engine.apply_chat_template(self.messages, self.add_generation_prompt)
+            return encode_chat(tokenizer, self.messages, self.add_generation_prompt)
         assert self.prompt is not None
-        return engine.tokenize(self.prompt, self.add_special_tokens)
+        return encode_prompt(tokenizer, self.prompt, self.add_special_tokens)
 
 
 class RequestStream:
@@ -154,8 +158,7 @@ class EngineFront(Protocol):
 @dataclass(frozen=True)
 class _Add:
     stream: RequestStream
-    prompt: str | list[int] | None
-    messages: list[dict] | None
+    prompt_token_ids: list[int]
     params: SamplingParams
     # Chat without max_tokens: generate up to the model's length limit (as OpenAI and vLLM).
     fill_max_tokens: bool
@@ -169,35 +172,6 @@ class _Abort:
 
 class _Stop:
     pass
-
-
-@dataclass(frozen=True)
-class _Call:
-    """Run `fn(engine)` on the engine thread (it owns the tokenizer) and settle `future`."""
-
-    fn: Callable[[LLMEngine], object]
-    future: asyncio.Future
-
-    def run(self, engine: LLMEngine) -> None:
-        try:
-            result, error = self.fn(engine), None
-        except Exception as exc:  # tokenizer, chat template, vocabulary: the client's input
-            result, error = None, ValueError(str(exc) or type(exc).__name__)
-        self.settle(result, error)
-
-    def settle(self, result: object, error: Exception | None) -> None:
-        def deliver() -> None:
-            if self.future.done():  # cancelled: the client went away
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            else:
-                self.future.set_result(result)
-
-        try:
-            self.future.get_loop().call_soon_threadsafe(deliver)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
 
 
 class _AbortAll:
@@ -258,11 +232,14 @@ class AsyncEngine(StreamBook):
         self.engine = engine
         self.metrics = metrics
         self.admission = admission
-        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Call | _Stop] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
+        # Prompts are tokenized here, one at a time, by a tokenizer of this thread's own (a
+        # Rust tokenizer borrowed by two threads at once can fail "Already borrowed").
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
+        self._vocab_size = engine.engine.vocab_size
+        self._tokenizing = ThreadPoolExecutor(1, thread_name_prefix="adaserve-tokenizer")
         self._last_stats: object = None
         # Called on the engine thread after every iteration (a replica's routing stats).
         self.on_state: Callable[[], None] | None = None
@@ -287,17 +264,36 @@ class AsyncEngine(StreamBook):
     ) -> RequestStream:
         """Queue a request; its stream yields Accepted or Rejected first, then Deltas."""
         stream = self._open(request_id)
-        self._commands.put(
-            _Add(
-                stream,
-                prompt,
-                messages,
-                params,
-                fill_max_tokens,
-                arrival_time if arrival_time is not None else time.monotonic(),
-            )
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        self._tokenizing.submit(
+            self._encode, stream, prompt, messages, params, fill_max_tokens, arrival
         )
         return stream
+
+    def _encode(
+        self,
+        stream: RequestStream,
+        prompt: str | list[int] | None,
+        messages: list[dict] | None,
+        params: SamplingParams,
+        fill_max_tokens: bool,
+        arrival: float,
+    ) -> None:
+        """On the tokenizer thread: the prompt's ids go to the engine thread (or a Rejected
+        to the client for input the tokenizer or chat template refuses)."""
+        try:
+            if messages is not None:
+                ids = encode_chat(self._tokenizer, messages)
+            else:
+                assert prompt is not None
+                ids = encode_prompt(self._tokenizer, prompt)
+        except Exception as exc:
+            self._post([(stream, Rejected(str(exc) or type(exc).__name__))])
+            return
+        if not self.alive:
+            self._post([(stream, EngineFailed(ENGINE_STOPPED))])
+            return
+        self._commands.put(_Add(stream, list(ids), params, fill_max_tokens, arrival))
 
     def abort(self, stream: RequestStream) -> None:
         """Abort a request (client gone); its KV blocks are freed before the next iteration."""
@@ -311,23 +307,29 @@ class AsyncEngine(StreamBook):
         self._commands.put(_AbortAll())
 
     async def tokenize(self, t: Tokenize) -> list[int]:
-        return await self._call(t.run)  # type: ignore[return-value]
+        return await self._on_tokenizer(lambda: t.run(self._tokenizer))
 
     async def detokenize(self, token_ids: list[int]) -> str:
-        return await self._call(lambda engine: engine.detokenize(token_ids))  # type: ignore[return-value]
+        return await self._on_tokenizer(
+            lambda: decode_ids(self._tokenizer, self._vocab_size, token_ids)
+        )
 
-    async def _call(self, fn: Callable[[LLMEngine], object]) -> object:
-        """fn(engine) on the engine thread, between two iterations."""
+    async def _on_tokenizer(self, fn: Callable[[], object]) -> Any:
+        """fn() on the tokenizer thread; ValueError for input it refuses."""
         if not self.alive:
             raise RuntimeError(ENGINE_STOPPED)
-        future = asyncio.get_running_loop().create_future()
-        self._commands.put(_Call(fn, future))
-        return await future
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._tokenizing, fn)
+        except Exception as exc:  # tokenizer, chat template, vocabulary: the client's input
+            raise ValueError(str(exc) or type(exc).__name__) from exc
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
         """Abort whatever still runs and stop the thread."""
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join, timeout_s)
+        # Prompts still being tokenized find the engine stopped and say so to their clients.
+        self._tokenizing.shutdown(wait=False)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
@@ -353,12 +355,12 @@ class AsyncEngine(StreamBook):
                 if isinstance(cmd, _Stop):
                     return False
                 if isinstance(cmd, _Add):
-                    pending.append((cmd.stream, self._add(cmd)))
+                    item = self._add(cmd)
+                    if item is not None:
+                        pending.append((cmd.stream, item))
                 elif isinstance(cmd, _AbortAll):
                     for rid in list(self._streams):
                         self._abort(rid, pending)
-                elif isinstance(cmd, _Call):
-                    cmd.run(self.engine)
                 else:
                     self._abort(cmd.request_id, pending)
                 cmd = self._commands.get_nowait()
@@ -367,14 +369,13 @@ class AsyncEngine(StreamBook):
         finally:
             self._post(pending)
 
-    def _add(self, cmd: _Add) -> StreamItem:
+    def _add(self, cmd: _Add) -> StreamItem | None:
+        """Queue the request in the engine; None when its client has gone meanwhile."""
+        if cmd.stream.done:  # aborted while it was being tokenized: never queued
+            return None
         eng = self.engine
+        ids = cmd.prompt_token_ids
         try:
-            if cmd.messages is not None:
-                ids = eng.apply_chat_template(cmd.messages)
-            else:
-                assert cmd.prompt is not None
-                ids = eng.tokenize(cmd.prompt)
             params = cmd.params
             refusal = self._slo_refusal(params)
             if refusal is not None:
@@ -385,7 +386,7 @@ class AsyncEngine(StreamBook):
             eng.add_request(
                 ids, params, request_id=cmd.stream.request_id, arrival_time=cmd.arrival_time
             )
-        except Exception as exc:  # tokenizer, chat template or engine validation: bad input
+        except Exception as exc:  # engine validation: bad input
             return Rejected(str(exc) or type(exc).__name__)
         self._streams[cmd.stream.request_id] = cmd.stream
         return Accepted(list(ids))
@@ -517,8 +518,6 @@ class AsyncEngine(StreamBook):
                 break
             if isinstance(cmd, _Add):
                 pending.append((cmd.stream, EngineFailed(ENGINE_STOPPED)))
-            elif isinstance(cmd, _Call):
-                cmd.settle(None, RuntimeError(ENGINE_STOPPED))
         self._post(pending)
 
     def _post(self, items: list[tuple[RequestStream, StreamItem]]) -> None:

@@ -185,9 +185,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_replicas_kv(cluster, tin
     assert used == 0, f"{used} KV blocks still held after the client left"
 
 
-def test_requests_after_a_replica_is_killed_are_served_by_the_other(
-    cluster, tiny_llama, reference
-):
+def test_requests_after_a_replica_is_killed_are_served_by_the_other(cluster, tiny_llama, reference):
     ray.init(address="auto", namespace="serve", logging_level="ERROR")
     try:
         names = [

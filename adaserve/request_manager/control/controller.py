@@ -76,10 +76,11 @@ class SpeculationController:
         self.probe_interval = cfg.probe_interval_min
         self.iteration = 0
         self.num_skipped_drafts = 0
-        # Seconds of forward time exploration may still spend (None: not started), and the
-        # exploring iteration awaiting its verification: (seconds a token is worth, tokens
-        # its paying part was expected to add), with the tokens accepted since.
-        self.explore_credit: float | None = None
+        # Seconds of forward time exploration may still spend (it starts full, at the first
+        # tree), and the exploring iteration awaiting its verification: (seconds a token is
+        # worth, tokens its paying part was expected to add), with the tokens accepted since.
+        self.explore_credit = 0.0
+        self._credit_started = False
         self._explore_pending: tuple[float, float] | None = None
         self._explore_accepted = 0
         self.probing = False  # this iteration probes a drafter that was switched off
@@ -292,8 +293,8 @@ class SpeculationController:
         plain_s = self.forward_s(n, context)
         self._settle_exploration()
         cap = EXPLORE_CREDIT_FORWARDS * plain_s
-        if self.explore_credit is None:
-            self.explore_credit = cap  # a fresh server may try the drafter at once
+        if not self._credit_started:
+            self.explore_credit, self._credit_started = cap, True  # try a new drafter at once
         self.explore_credit = min(cap, self.explore_credit + self.cfg.explore_budget * plain_s)
         if not candidates or not self._exploration_may_pay(n, context):
             return 0
