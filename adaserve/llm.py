@@ -20,16 +20,28 @@ from adaserve.request_manager.request import Request, RequestOutput, SamplingPar
 from adaserve.request_manager.scheduler import Scheduler
 
 
-def encode_prompt(tokenizer, prompt: str | Sequence[int], add_special_tokens: bool = False):
-    """A prompt's token ids as requests get them (no BOS or other special tokens added,
-    unless asked: the prompt text is what the client sent)."""
+def encode_prompt(tokenizer, prompt: str | Sequence[int], add_special_tokens: bool = True):
+    """A prompt's token ids as requests get them: a text prompt with the tokenizer's special
+    tokens (BOS) as transformers' `tokenizer(prompt)` adds them, unless asked not to; token
+    ids as they are."""
     if isinstance(prompt, str):
         return tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return [int(t) for t in prompt]
 
 
-def encode_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Chat messages through the tokenizer's chat template, as token ids."""
+def encode_chat(
+    tokenizer,
+    messages: list[dict],
+    add_generation_prompt: bool = True,
+    add_special_tokens: bool = False,
+) -> list[int]:
+    """Chat messages through the tokenizer's chat template, as token ids (the template writes
+    its own special tokens; `add_special_tokens` adds the tokenizer's on top, as vLLM does)."""
+    if add_special_tokens:
+        text = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+        return list(tokenizer.encode(text, add_special_tokens=True))
     ids = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True
     )
@@ -77,7 +89,7 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = False) -> list[int]:
+    def tokenize(self, prompt: str | Sequence[int], add_special_tokens: bool = True) -> list[int]:
         return encode_prompt(self.tokenizer, prompt, add_special_tokens)
 
     def apply_chat_template(

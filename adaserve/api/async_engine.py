@@ -84,16 +84,18 @@ ENGINE_STOPPED = "the engine has stopped (server shutting down)"
 @dataclass(frozen=True)
 class Tokenize:
     """A /tokenize request: a prompt, or chat messages through the chat template, tokenized
-    as a generation request would be (special tokens only when asked)."""
+    as a generation request would be."""
 
     prompt: str | None = None
     messages: list[dict] | None = None
-    add_special_tokens: bool = False
+    add_special_tokens: bool = True
     add_generation_prompt: bool = True
 
     def run(self, tokenizer) -> list[int]:
         if self.messages is not None:
-            return encode_chat(tokenizer, self.messages, self.add_generation_prompt)
+            return encode_chat(
+                tokenizer, self.messages, self.add_generation_prompt, self.add_special_tokens
+            )
         assert self.prompt is not None
         return encode_prompt(tokenizer, self.prompt, self.add_special_tokens)
 
@@ -139,6 +141,7 @@ class EngineFront(Protocol):
         messages: list[dict] | None = None,
         fill_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool | None = None,
     ) -> RequestStream: ...
 
     def abort(self, stream: RequestStream) -> None: ...
@@ -261,12 +264,15 @@ class AsyncEngine(StreamBook):
         messages: list[dict] | None = None,
         fill_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool | None = None,
     ) -> RequestStream:
-        """Queue a request; its stream yields Accepted or Rejected first, then Deltas."""
+        """Queue a request; its stream yields Accepted or Rejected first, then Deltas.
+        `add_special_tokens` None: a text prompt gets them (BOS), chat messages do not."""
         stream = self._open(request_id)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
+        special = messages is None if add_special_tokens is None else add_special_tokens
         self._tokenizing.submit(
-            self._encode, stream, prompt, messages, params, fill_max_tokens, arrival
+            self._encode, stream, prompt, messages, special, params, fill_max_tokens, arrival
         )
         return stream
 
@@ -275,6 +281,7 @@ class AsyncEngine(StreamBook):
         stream: RequestStream,
         prompt: str | list[int] | None,
         messages: list[dict] | None,
+        add_special_tokens: bool,
         params: SamplingParams,
         fill_max_tokens: bool,
         arrival: float,
@@ -283,10 +290,10 @@ class AsyncEngine(StreamBook):
         to the client for input the tokenizer or chat template refuses)."""
         try:
             if messages is not None:
-                ids = encode_chat(self._tokenizer, messages)
+                ids = encode_chat(self._tokenizer, messages, True, add_special_tokens)
             else:
                 assert prompt is not None
-                ids = encode_prompt(self._tokenizer, prompt)
+                ids = encode_prompt(self._tokenizer, prompt, add_special_tokens)
         except Exception as exc:
             self._post([(stream, Rejected(str(exc) or type(exc).__name__))])
             return

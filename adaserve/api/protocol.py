@@ -169,6 +169,11 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = _strict()
     best_of: int | None = _strict()
     suffix: str | None = None
+    add_special_tokens: bool = _strict(
+        True,
+        description="add the tokenizer's special tokens (BOS) to a text prompt, as "
+        "transformers, vLLM and llama.cpp do",
+    )
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -236,6 +241,11 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = _strict()
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
+    add_special_tokens: bool = _strict(
+        False,
+        description="also add the tokenizer's special tokens to the templated chat (the chat "
+        "template already writes its own, BOS included: true usually doubles it)",
+    )
 
     @field_validator("logprobs", "top_logprobs")
     @classmethod

@@ -184,12 +184,20 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        return await self._generate(request, body, "cmpl", prompt=body.prompt)
+        return await self._generate(
+            request, body, "cmpl", prompt=body.prompt, add_special_tokens=body.add_special_tokens
+        )
 
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
-        return await self._generate(request, body, "chatcmpl", messages=body.message_dicts())
+        return await self._generate(
+            request,
+            body,
+            "chatcmpl",
+            messages=body.message_dicts(),
+            add_special_tokens=body.add_special_tokens,
+        )
 
     # ------------------------------------------------------------------ admission
     async def _parse(self, request: Request, model: type[_SamplingRequest]) -> _SamplingRequest:

@@ -30,8 +30,9 @@ class TokenizeRequest(BaseModel):
     model: str | None = _strict()
     prompt: str | None = _strict()
     messages: list[ChatMessage] | None = Field(None, min_length=1)
-    # Like /v1/completions, nothing is added to a prompt unless asked (vLLM adds BOS).
-    add_special_tokens: bool = _strict(False)
+    # As generation requests (and vLLM): by default a prompt gets the tokenizer's special
+    # tokens (BOS), chat messages only what the chat template writes.
+    add_special_tokens: bool | None = _strict(None)
     add_generation_prompt: bool = _strict(True)
 
     def check(self) -> None:
@@ -40,19 +41,15 @@ class TokenizeRequest(BaseModel):
             raise APIError(
                 400, "send exactly one of prompt (a string) or messages (a chat)", param="prompt"
             )
-        if self.messages is not None and self.add_special_tokens:
-            raise APIError(
-                400,
-                "add_special_tokens applies to prompt; with messages the chat template decides "
-                "the special tokens",
-                param="add_special_tokens",
-            )
 
     def to_tokenize(self) -> Tokenize:
         messages = None
         if self.messages is not None:
             messages = [{"role": m.role, "content": m.content} for m in self.messages]
-        return Tokenize(self.prompt, messages, self.add_special_tokens, self.add_generation_prompt)
+        special = self.add_special_tokens
+        if special is None:
+            special = messages is None
+        return Tokenize(self.prompt, messages, special, self.add_generation_prompt)
 
 
 class TokenizeResponse(BaseModel):

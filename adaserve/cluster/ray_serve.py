@@ -115,6 +115,7 @@ class EngineReplica:
         messages: list[dict] | None,
         fill_max_tokens: bool,
         waited_s: float,
+        add_special_tokens: bool | None = None,
         slo_tpot_ms: float | None = None,  # read by the router, not here
     ) -> AsyncIterator[StreamItem]:
         """The request's stream; cancelled by the ingress (client gone), its KV is freed."""
@@ -124,6 +125,7 @@ class EngineReplica:
             prompt=prompt,
             messages=messages,
             fill_max_tokens=fill_max_tokens,
+            add_special_tokens=add_special_tokens,
             # Clocks of two processes differ: the wait so far, on this one's clock.
             arrival_time=time.monotonic() - waited_s,
         )
@@ -236,12 +238,13 @@ class RemoteEngine(StreamBook):
         messages: list[dict] | None = None,
         fill_max_tokens: bool = False,
         arrival_time: float | None = None,
+        add_special_tokens: bool | None = None,
     ) -> RequestStream:
         stream = self._open(request_id)
         self._loop = stream.loop
         self._streams[request_id] = stream
         waited = 0.0 if arrival_time is None else max(0.0, time.monotonic() - arrival_time)
-        call = (request_id, params, prompt, messages, fill_max_tokens, waited)
+        call = (request_id, params, prompt, messages, fill_max_tokens, waited, add_special_tokens)
         self._pumps[request_id] = asyncio.create_task(self._pump(stream, call))
         return stream
 

@@ -22,6 +22,7 @@ from adaserve.exec.ggml import GgmlRunner, ggml_available
 from adaserve.exec.kv_cache import KVCache, blocks_for_memory
 from adaserve.exec.loader import (
     check_draft_compatible,
+    generation_eos_ids,
     gguf_source,
     load_args,
     load_embedding_and_head,
@@ -141,6 +142,7 @@ class ExecutionEngine:
             torch.set_num_threads(self.threads)
         self.target_path = resolve_model_path(model_cfg.model)
         self.tokenizer = load_tokenizer(self.target_path)
+        self.generation_eos_ids = generation_eos_ids(self.target_path)
         self.backend, gguf = pick_backend(model_cfg, self.target_path)
         self.target: Runner
         if self.backend == "ggml":

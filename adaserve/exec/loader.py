@@ -85,6 +85,20 @@ def load_tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path)
 
 
+def generation_eos_ids(path: Path) -> tuple[int, ...]:
+    """The end-of-sequence ids a checkpoint's generation_config.json names, as transformers'
+    `generate()` stops on them (Llama 3 Instruct ends a turn with <|eot_id|>, which is not the
+    tokenizer's eos_token); () without the file."""
+    if not (path / "generation_config.json").is_file():
+        return ()
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(path).eos_token_id
+    if eos is None:
+        return ()
+    return (int(eos),) if isinstance(eos, int) else tuple(int(t) for t in eos)
+
+
 def check_draft_compatible(target_path: Path, draft_path: Path) -> None:
     """The draft must share the target's vocabulary, or its tokens mean something else."""
     t_args, d_args = load_args(target_path), load_args(draft_path)

@@ -107,6 +107,7 @@ class Engine(Protocol):
     """What the scheduler uses of an engine: the real `ExecutionEngine` or the simulator's."""
 
     tokenizer: Any
+    generation_eos_ids: tuple[int, ...]  # generation_config.json's end ids, besides eos_token
     max_model_len: int
     vocab_size: int
     target_prefix: PrefixCache | None

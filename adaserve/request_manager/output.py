@@ -23,11 +23,16 @@ _WHOLE = "whole"
 class OutputProcessor:
     """Appends committed tokens to requests, checks stop conditions, builds RequestOutputs."""
 
-    def __init__(self, tokenizer, max_model_len: int) -> None:
+    def __init__(
+        self, tokenizer, max_model_len: int, generation_eos_ids: tuple[int, ...] = ()
+    ) -> None:
+        """`generation_eos_ids`: the checkpoint's generation_config.json end ids, which stop
+        generation besides the tokenizer's eos_token (as in transformers' generate())."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         eos = tokenizer.eos_token_id
         self.eos_ids = {eos} if isinstance(eos, int) else set(eos or ())
+        self.eos_ids.update(generation_eos_ids)
         # The streaming decoder needs the Rust tokenizer, and matches a whole decode only
         # where transformers does not clean up spaces afterwards.
         backend = getattr(tokenizer, "backend_tokenizer", None)

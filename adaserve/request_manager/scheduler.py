@@ -70,7 +70,9 @@ class Scheduler:
         self.timeline: IterationTimeline | None = None
         if cfg.record_iterations is not None:
             self.timeline = IterationTimeline(cfg.record_iterations, cfg.slo_pace_margin)
-        self.output = OutputProcessor(engine.tokenizer, engine.max_model_len)
+        self.output = OutputProcessor(
+            engine.tokenizer, engine.max_model_len, engine.generation_eos_ids
+        )
         self.waiting: deque[Request] = deque()
         # Admitted, prompt KV not complete yet; earliest TTFT deadline first (prefill_order).
         self.prefilling: list[Request] = []

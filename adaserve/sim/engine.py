@@ -205,6 +205,7 @@ class SimEngine:
         if draft_cost is not None:
             self.draft = SimRunner(draft_cost, num_blocks, block_size, clock, noise, rng, False)
         self.tokenizer = _Tokenizer()
+        self.generation_eos_ids: tuple[int, ...] = ()
         self.max_model_len = max_model_len
         self.vocab_size = SIM_VOCAB
         self.target_prefix = PrefixCache(self.target.cache) if prefix_caching else None
