@@ -18,17 +18,16 @@ from adaserve import __version__
 from adaserve.args import (
     add_engine_arguments,
     add_serve_arguments,
-    api_keys,
     engine_configs,
     engine_kwargs,
     positive_float,
+    server_config,
 )
 from adaserve.bench import command as bench_command
 from adaserve.bench import profile as profile_command
-from adaserve.config import (
-    SchedulerConfig,
-    ServerConfig,
-)
+from adaserve.config import SchedulerConfig, ServerConfig
+from adaserve.config_flags import show_default
+from adaserve.config_sources import LayeredParser
 from adaserve.distill import cli as distill_cli
 from adaserve.distill import vocab as draft_vocab
 from adaserve.entry import call
@@ -103,30 +102,15 @@ def run_serve(a: argparse.Namespace) -> int:
 
     if a.max_waiting is not None and a.max_waiting < 1:
         raise ValueError(f"--max-waiting must be >= 1, got {a.max_waiting}")
-    keys = api_keys(a.api_key, a.api_key_file)  # a bad key file fails before the model loads
-    if a.protect_metrics and not keys:
+    cfg = server_config(a)  # a bad key file fails before the model loads
+    if cfg.protect_metrics and not cfg.api_keys:
         raise ValueError("--protect-metrics needs --api-key or --api-key-file")
-    if (a.allowed_methods or a.allowed_headers) and not a.allowed_origins:
-        raise ValueError("--allowed-methods and --allowed-headers need --allowed-origins")
-    configure_logging(a.log_level)
-    log = logging.getLogger("adaserve")
     d = ServerConfig()
-    cfg = ServerConfig(
-        host=a.host,
-        port=a.port,
-        api_keys=keys,
-        protect_metrics=a.protect_metrics,
-        admission=a.admission,
-        served_model_name=a.served_model_name,
-        default_slo_tpot_ms=a.default_slo_tpot_ms,
-        slo_classes=a.slo_classes,
-        log_stats_interval_s=a.log_stats_interval,
-        allowed_origins=tuple(a.allowed_origins or ()),
-        allowed_methods=tuple(a.allowed_methods or d.allowed_methods),
-        allowed_headers=tuple(a.allowed_headers or d.allowed_headers),
-        vllm_metrics=a.vllm_metrics,
-        log_level=a.log_level,
-    )
+    cors_set = (cfg.allowed_methods, cfg.allowed_headers) != (d.allowed_methods, d.allowed_headers)
+    if cors_set and not cfg.allowed_origins:
+        raise ValueError("--allowed-methods and --allowed-headers need --allowed-origins")
+    configure_logging(cfg.log_level)
+    log = logging.getLogger("adaserve")
     if a.replicas is not None:
         # Imported only here: a single server never imports Ray.
         from adaserve.cluster.ray_serve import serve_cluster
@@ -135,7 +119,7 @@ def run_serve(a: argparse.Namespace) -> int:
     if a.ray_address is not None:
         raise ValueError("--ray-address needs --replicas N")
     engine, cached_profile = build_engine(a)
-    serve(engine, cfg, log_level=a.log_level, shutdown_timeout_s=a.shutdown_timeout)
+    serve(engine, cfg, log_level=cfg.log_level, shutdown_timeout_s=cfg.shutdown_timeout_s)
     acc = engine.scheduler.acceptance_log
     if acc is not None:
         acc.close()
@@ -164,6 +148,7 @@ def run_serve(a: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------- generate
 def add_generate_arguments(p: argparse.ArgumentParser) -> None:
     sp = SamplingParams()
+    p.usage = "%(prog)s PROMPT [MODEL] [flags]"
     p.add_argument("prompt", help="the prompt text")
     add_engine_arguments(p, SchedulerConfig().policy)
     p.add_argument("--max-tokens", type=int, default=sp.max_tokens)
@@ -250,7 +235,7 @@ class _HelpFormatter(argparse.HelpFormatter):
             and action.default is not False
             and action.default != argparse.SUPPRESS
         ):
-            text += " (default: %(default)s)"
+            text += " (default: " + show_default(action.default).replace("%", "%%") + ")"
         return text
 
 
@@ -259,7 +244,10 @@ def build_parser() -> argparse.ArgumentParser:
         prog="adaserve", description="SLO-customized LLM serving with tree speculative decoding"
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # LayeredParser: commands with --config read it and ADASERVE_* before the command line.
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=LayeredParser
+    )
     for name, cmd in SUBCOMMANDS.items():
         p = sub.add_parser(
             name, help=cmd.help, description=cmd.help, formatter_class=_HelpFormatter

@@ -411,7 +411,7 @@ def build_application(a: argparse.Namespace, cfg: ServerConfig, board: ray.actor
         max_ongoing_requests=10_000,
         request_router_config=RequestRouterConfig(**router),
         health_check_period_s=2.0,
-        graceful_shutdown_timeout_s=a.shutdown_timeout or 20.0,
+        graceful_shutdown_timeout_s=a.shutdown_timeout_s or 20.0,
     )(EngineReplica)
     ingress = serve.deployment(
         name="adaserve-ingress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000

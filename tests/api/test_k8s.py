@@ -279,13 +279,13 @@ def test_deployment_fits_the_server_it_runs() -> None:
         assert (get["path"], get["port"]) == ("/health", port["name"]), f"{probe}: {get}"
     assert container["readinessProbe"]["failureThreshold"] == 1, "a draining pod must leave at once"
     live = container["livenessProbe"]
-    assert live["periodSeconds"] * live["failureThreshold"] > flags.shutdown_timeout, (
+    assert live["periodSeconds"] * live["failureThreshold"] > flags.shutdown_timeout_s, (
         "/health is 503 throughout a drain; liveness would kill the pod before the drain ends"
     )
     pre_stop = container["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep", pre_stop
     # Grace: the preStop pause, the drain, uvicorn's own 5 s after it.
-    need = int(pre_stop[1]) + flags.shutdown_timeout + 5
+    need = int(pre_stop[1]) + flags.shutdown_timeout_s + 5
     assert pod["spec"]["terminationGracePeriodSeconds"] > need, f"grace period below {need} s"
 
     notes = pod["metadata"]["annotations"]

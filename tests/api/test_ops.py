@@ -358,8 +358,9 @@ def test_cors_stats_and_vllm_flags_parse() -> None:
          "--allowed-origins", "https://c.example", "--allowed-methods", "GET,POST",
          "--vllm-metrics", "--log-stats-interval", "2.5"]
     )  # fmt: skip
-    assert a.allowed_origins == ["https://a.example", "https://b.example", "https://c.example"]
-    assert a.allowed_methods == ["GET", "POST"] and a.allowed_headers is None
-    assert a.vllm_metrics and a.log_stats_interval == 2.5
+    # The namespace holds each ServerConfig field under its own name, as the field takes it.
+    assert a.allowed_origins == ("https://a.example", "https://b.example", "https://c.example")
+    assert a.allowed_methods == ("GET", "POST") and a.allowed_headers == ("*",)
+    assert a.vllm_metrics and a.log_stats_interval_s == 2.5
     with pytest.raises(ValueError, match="log_stats_interval_s must be >= 0"):
         ServerConfig(log_stats_interval_s=-1)
