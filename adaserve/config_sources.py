@@ -110,16 +110,22 @@ def read_config_file(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     return data
 
 
-def config_key_action(p: argparse.ArgumentParser, path: str, key: str) -> tuple[str, Any]:
-    """The option string and action a config file key names; an unknown key is an error."""
+def config_key_action(
+    p: argparse.ArgumentParser, path: str, key: str
+) -> tuple[str | None, argparse.Action]:
+    """The option string (None: a positional such as model) and action a config file key
+    names; an unknown key is an error."""
     option = "--" + str(key).replace("_", "-")
-    action = p._option_string_actions.get(option)
-    if action is None or option in (CONFIG_FLAG, "--help"):
+    for action in p._actions:
+        if not action.option_strings and action.dest == str(key).replace("-", "_"):
+            return None, action
+    flag = p._option_string_actions.get(option)
+    if flag is None or option in (CONFIG_FLAG, "--help"):
         known = [s[2:] for s in p._option_string_actions if s.startswith("--")]
         close = difflib.get_close_matches(option[2:], known, n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else ""
         p.error(f"--config {path}: unknown key {key!r}{hint}")
-    return option, action
+    return option, flag
 
 
 def run_action(
