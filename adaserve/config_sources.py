@@ -44,11 +44,19 @@ class LayeredParser(argparse.ArgumentParser):
     """An ArgumentParser that, when it has a --config flag, takes its defaults from the config
     file and then the ADASERVE_* variables before it parses the command line."""
 
+    # Each flag's default before any layer, so a second parse starts from config.py again.
+    _base_defaults: list[tuple[argparse.Action, Any]] | None = None
+
     def parse_known_args(  # type: ignore[override]
         self, args: Iterable[str] | None = None, namespace: argparse.Namespace | None = None
     ) -> tuple[argparse.Namespace, list[str]]:
         argv = list(sys.argv[1:] if args is None else args)
         if CONFIG_FLAG in self._option_string_actions:
+            if self._base_defaults is None:
+                self._base_defaults = [(action, action.default) for action in self._actions]
+            for action, default in self._base_defaults:
+                action.default = default
+                self._defaults.pop(action.dest, None)
             self.set_defaults(**layered_defaults(self, argv, os.environ))
         return super().parse_known_args(argv, namespace)
 

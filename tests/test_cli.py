@@ -133,6 +133,20 @@ def test_config_file_in_json_sets_switches_lists_and_the_model(tmp_path: Path) -
     assert built[SchedulerConfig].specinfer_expansion == (2, 2)
 
 
+def test_a_second_parse_starts_from_the_defaults_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text('{"max-num-seqs": 5, "disable-log-stats": true}')
+    parser = build_parser()
+    a = parser.parse_args(["serve", "--config", str(cfg)])
+    assert a.max_num_seqs == 5 and a.log_stats_interval_s == 0
+    monkeypatch.setenv("ADASERVE_PORT", "9100")
+    b = parser.parse_args(["serve"])
+    assert b.max_num_seqs == SchedulerConfig.max_num_seqs, "the first parse's file stuck"
+    assert b.log_stats_interval_s == ServerConfig.log_stats_interval_s and b.port == 9100
+
+
 def test_adaserve_config_variable_names_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
