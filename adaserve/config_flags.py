@@ -162,12 +162,21 @@ def add_field_argument(
         group.add_argument(*flags, action=argparse.BooleanOptionalAction, **kw)
         return
     kw["type"] = FIELD_PARSERS.get(name) or value_parser(tp)
+    if name in flag_table.VALUE_ALIASES:
+        kw["type"] = _aliased(kw["type"], flag_table.VALUE_ALIASES[name])
     kw["metavar"] = flag_table.METAVARS.get(name) or _metavar(tp)
     if name in flag_table.CHOICES:
         kw.update(choices=flag_table.CHOICES[name], metavar=None)
     if typing.get_origin(tp) is tuple and typing.get_args(tp)[0] is str:
         kw["action"] = ExtendList
     group.add_argument(*flags, **kw)
+
+
+def _aliased(parse: Parse, aliases: dict[str, str]) -> Parse:
+    def parse_aliased(text: str) -> Any:
+        return parse(aliases.get(text.strip(), text))
+
+    return parse_aliased
 
 
 def _metavar(tp: Any) -> str:

@@ -22,6 +22,8 @@ from adaserve.config import (
 
 # `--help` groups, in the order they print: title -> description.
 GROUPS: dict[str, str] = {
+    "config sources": "precedence: command line > ADASERVE_<FIELD> variables > --config file "
+    "> config.py",
     "model": "which weights run, and how",
     "KV cache": "the paged KV cache (num_blocks wins over memory_fraction)",
     "scheduling": "batching, chunked prefill, TTFT objectives and admission estimates",
@@ -32,8 +34,6 @@ GROUPS: dict[str, str] = {
     "logging and metrics": "log lines and /metrics",
     "CORS": "browsers calling the API from a web page",
     "scale-out": "Ray Serve replicas; the `cluster` extra: pip install 'adaserve[cluster]'",
-    "config sources": "precedence: command line > ADASERVE_<FIELD> variables > --config file "
-    "> config.py",
 }
 
 CLASS_GROUP: dict[type, str] = {
@@ -75,6 +75,8 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "admission": ("queue", "slo"),
     "log_level": LOG_LEVELS,
 }
+# Values spelled another way, e.g. vLLM's --dtype half.
+VALUE_ALIASES: dict[str, dict[str, str]] = {"dtype": {"half": "float16", "float": "float32"}}
 # Config fields that are positional arguments rather than flags.
 POSITIONALS = ("model",)
 # Spellings the flag had before it was generated (kept working), beside --field-name.

@@ -242,8 +242,10 @@ def test_vllm_spellings_map_onto_our_fields() -> None:
         "--gpu-memory-utilization", "0.5", "--num-gpu-blocks-override", "99",
         "--uvicorn-log-level", "debug", "--disable-log-stats", "-tp", "1",
         "--allowed-origins", '["https://a.example"]', "--max-num-batched-tokens", "512",
+        "--dtype", "half",
     )  # fmt: skip
     model, cache, sched = engine_configs(a)
+    assert model.dtype == "float16"
     assert (cache.memory_fraction, cache.num_blocks) == (0.5, 99)
     assert a.log_level == "debug" and a.log_stats_interval_s == 0.0
     assert a.allowed_origins == ("https://a.example",) and sched.max_num_batched_tokens == 512
