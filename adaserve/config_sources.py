@@ -71,7 +71,7 @@ def layered_defaults(
         for key, value in read_config_file(p, path).items():
             option, action = config_key_action(p, path, key)
             run_action(p, action, option, value, out, f"{path}: {key}")
-    seen: set[str] = set()  # a field's own flag comes first; aliases sharing its dest follow
+    seen: set[str] = set()  # a field's own flag, not an alias sharing its dest (vLLM's)
     for action in p._actions:
         var = env_var(action.dest)
         if action.dest in ENV_FIELDS and action.dest not in seen and var in environ:
@@ -104,13 +104,19 @@ def read_config_file(p: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     except OSError as e:
         p.error(f"--config {path}: {e.strerror or e}")
     if file.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            p.error(f"--config {path}: not JSON: {e}")
     else:
         try:
             import yaml
         except ImportError:
             p.error(f"--config {path}: YAML needs pyyaml (pip install pyyaml), or give a .json")
-        data = yaml.safe_load(text)
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            p.error(f"--config {path}: not YAML: {e}")
     if data is None:
         return {}
     if not isinstance(data, dict):

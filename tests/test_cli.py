@@ -181,6 +181,18 @@ def test_bad_config_value_names_the_file_and_key(
     assert f"{cfg}: policy" in err and "invalid choice 'fastest'" in err, err
 
 
+@pytest.mark.parametrize(
+    "name,text", [("c.json", "{port: 1"), ("c.yaml", "port: [1"), ("c.yaml", "- 1")]
+)
+def test_a_config_file_that_does_not_parse_is_named(
+    name: str, text: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    err = error_of(["serve", "--config", str(cfg)], capsys)
+    assert f"--config {cfg}: " in err, err
+
+
 def test_yaml_without_pyyaml_says_how_to_install_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
