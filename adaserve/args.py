@@ -15,7 +15,6 @@ from pathlib import Path
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from adaserve.config_flags import add_config_arguments, argument_group, config_fields
-from adaserve.config_flags import positive_float as positive_float
 from adaserve.config_sources import ENV_PREFIX, add_config_file_argument
 from adaserve.vllm_flags import VLLM_SPELLINGS, add_vllm_engine_arguments, add_vllm_server_arguments
 

@@ -20,13 +20,12 @@ from adaserve.args import (
     add_serve_arguments,
     engine_configs,
     engine_kwargs,
-    positive_float,
     server_config,
 )
 from adaserve.bench import command as bench_command
 from adaserve.bench import profile as profile_command
 from adaserve.config import SchedulerConfig, ServerConfig
-from adaserve.config_flags import show_default
+from adaserve.config_flags import positive_float, show_default
 from adaserve.config_sources import LayeredParser
 from adaserve.distill import cli as distill_cli
 from adaserve.distill import vocab as draft_vocab
