@@ -82,6 +82,20 @@ def pick_backend(model_cfg: ModelConfig, source: Path) -> tuple[str, Path | None
     return "ggml", gguf
 
 
+def _target_tokenizer(model_cfg: ModelConfig, target_path: Path):
+    """The model's own tokenizer, or the one `model_cfg.tokenizer` names (checked to fit)."""
+    if model_cfg.tokenizer is None:
+        return load_tokenizer(target_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(locate_tokenizer(model_cfg.tokenizer), model_cfg.trust_remote_code)
+    vocab_size = load_args(target_path).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer {model_cfg.tokenizer!r} has {len(tokenizer)} tokens, more than the "
+            f"model's {vocab_size}: it is not this model's tokenizer"
+        )
+    return tokenizer
+
+
 def _build_ggml_runner(
     gguf: Path, target_path: Path, cache_cfg: CacheConfig, threads: int | None = None
 ) -> GgmlRunner:
@@ -147,10 +161,7 @@ class ExecutionEngine:
         self.backend, gguf = pick_backend(model_cfg, source)
         # A GGUF's dir holds dequantized weights only for torch: llama.cpp reads the file.
         self.target_path = checkpoint_dir(source, weights=self.backend == "torch")
-        tokenizer_dir = self.target_path
-        if model_cfg.tokenizer is not None:
-            tokenizer_dir = locate_tokenizer(model_cfg.tokenizer)
-        self.tokenizer = load_tokenizer(tokenizer_dir, model_cfg.trust_remote_code)
+        self.tokenizer = _target_tokenizer(model_cfg, self.target_path)
         self.generation_eos_ids = generation_eos_ids(self.target_path)
         self.target: Runner
         if self.backend == "ggml":
@@ -219,11 +230,6 @@ class ExecutionEngine:
             )
         self.max_model_len = model_cfg.max_model_len or limit
         self.vocab_size = args.vocab_size
-        if model_cfg.tokenizer is not None and len(self.tokenizer) > self.vocab_size:
-            raise ValueError(
-                f"tokenizer {model_cfg.tokenizer!r} has {len(self.tokenizer)} tokens, more than "
-                f"the model's {self.vocab_size}: it is not this model's tokenizer"
-            )
 
     def run(self, plan: PlanToRun) -> ForwardOutput:
         """Run one iteration's plan: the target forward (and the draft's prompt catch-up)."""

@@ -146,3 +146,19 @@ def test_only_the_files_adaserve_reads_are_downloaded():
         "special_tokens_map.json",
         "chat_template.jinja",
     }
+
+
+def test_trust_remote_code_reaches_transformers_and_only_when_asked(tiny_llama, monkeypatch):
+    import transformers
+
+    seen: list[bool] = []
+    real = transformers.AutoTokenizer.from_pretrained
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("trust_remote_code", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy)
+    LLM(model=str(tiny_llama), num_blocks=32)
+    LLM(model=str(tiny_llama), num_blocks=32, trust_remote_code=True)
+    assert seen == [False, True], f"AutoTokenizer got trust_remote_code {seen}"
