@@ -55,8 +55,22 @@ class ModelConfig:
     # CPU threads of the forwards (torch and llama.cpp); None: every core this process may use.
     # Replicas sharing a machine split its cores (`adaserve serve --replicas N`).
     threads: int | None = None
+    # A branch, tag or commit of a Hugging Face hub `model` (None: main), so a deployment
+    # pins the weights it was tested with; a local dir or file has no revision.
+    revision: str | None = None
+    # A local dir or hub id whose tokenizer replaces the model's (a GGUF's own tokenizer
+    # lacks a chat template, or a fixed tokenizer ships in another repo); its default branch.
+    tokenizer: str | None = None
+    # The GGUF file to serve out of a hub repo or a local dir holding several quantizations
+    # (like llama-server's `-hf REPO` with a file name); None: the safetensors checkpoint.
+    gguf_file: str | None = None
+    # Let transformers run code a hub repo ships for its tokenizer and config (AutoTokenizer,
+    # AutoConfig). The model itself always runs this package's code or llama.cpp, never the
+    # repo's: only trust a repo you would run code from.
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
+        self._check_source()
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in DTYPES:
@@ -74,6 +88,25 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be > 0, got {self.max_model_len}")
+
+    def _check_source(self) -> None:
+        """Where the weights come from: revision and gguf_file need a named model."""
+        if self.model is None and (self.revision is not None or self.gguf_file is not None):
+            raise ValueError(
+                "revision and gguf_file pick files of a named model; give model "
+                "(a hub id such as owner/name, or a local dir) as well"
+            )
+        if self.gguf_file is not None:
+            if not self.gguf_file.endswith(".gguf"):
+                raise ValueError(f"gguf_file must name a .gguf file, got {self.gguf_file!r}")
+            if self.model is not None and self.model.endswith(".gguf"):
+                raise ValueError(
+                    f"model {self.model!r} is a GGUF file already; gguf_file picks a file "
+                    "inside a hub repo or a dir"
+                )
+        for name in ("revision", "tokenizer"):
+            if getattr(self, name) == "":
+                raise ValueError(f"{name} must be non-empty or None")
 
     @property
     def resolved_drafter(self) -> str:

@@ -22,13 +22,15 @@ from adaserve.exec.ggml import GgmlRunner, ggml_available
 from adaserve.exec.kv_cache import KVCache, blocks_for_memory
 from adaserve.exec.loader import (
     check_draft_compatible,
+    checkpoint_dir,
     generation_eos_ids,
     gguf_source,
     load_args,
     load_embedding_and_head,
     load_model,
     load_tokenizer,
-    resolve_model_path,
+    locate_model,
+    locate_tokenizer,
 )
 from adaserve.exec.model.eagle import is_eagle_head, load_eagle_head
 from adaserve.exec.prefix_cache import PrefixCache
@@ -39,7 +41,7 @@ from adaserve.exec.torch_runner import EagleRunner, ModelRunner, make_attention_
 def _build_runner(
     path: Path, model_cfg: ModelConfig, num_blocks: int | None, cache_cfg: CacheConfig
 ) -> ModelRunner:
-    model = load_model(path, model_cfg.dtype, model_cfg.device)
+    model = load_model(path, model_cfg.dtype, model_cfg.device, model_cfg.trust_remote_code)
     a = model.args
     dtype = next(model.parameters()).dtype
     device = torch.device(model_cfg.device)
@@ -55,12 +57,13 @@ def _build_runner(
     return ModelRunner(model, cache, backend, checkpoint=path)
 
 
-def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path | None]:
-    """("torch", None) or ("ggml", the GGUF file it runs), as `model_cfg.backend` asks."""
+def pick_backend(model_cfg: ModelConfig, source: Path) -> tuple[str, Path | None]:
+    """("torch", None) or ("ggml", the GGUF file it runs), as `model_cfg.backend` asks, for
+    a located model (`source`: a checkpoint dir or a .gguf file, see `locate_model`)."""
     if model_cfg.backend == "torch":
         return "torch", None
     cpu = torch.device(model_cfg.device).type == "cpu"
-    gguf = gguf_source(model_cfg.model, target_path) if cpu else None
+    gguf = gguf_source(source, is_default=model_cfg.model is None) if cpu else None
     if model_cfg.backend == "auto":
         fits = gguf is not None and ggml_available()
         return ("ggml", gguf) if fits else ("torch", None)
@@ -68,8 +71,8 @@ def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path |
         raise ValueError(f"backend 'ggml' runs on the CPU; device is {model_cfg.device!r}")
     if gguf is None:
         raise ValueError(
-            f"backend 'ggml' runs GGUF models; {target_path} came from no GGUF file that "
-            "adaserve knows of: pass the .gguf file as the model"
+            f"backend 'ggml' runs GGUF models; {source} came from no GGUF file that "
+            "adaserve knows of: pass the .gguf file as the model (or gguf_file in a repo)"
         )
     if not ggml_available():
         raise ValueError(
@@ -77,6 +80,20 @@ def pick_backend(model_cfg: ModelConfig, target_path: Path) -> tuple[str, Path |
             "llama.cpp from source, a few minutes on first install)"
         )
     return "ggml", gguf
+
+
+def _target_tokenizer(model_cfg: ModelConfig, target_path: Path):
+    """The model's own tokenizer, or the one `model_cfg.tokenizer` names (checked to fit)."""
+    if model_cfg.tokenizer is None:
+        return load_tokenizer(target_path, model_cfg.trust_remote_code)
+    tokenizer = load_tokenizer(locate_tokenizer(model_cfg.tokenizer), model_cfg.trust_remote_code)
+    vocab_size = load_args(target_path).vocab_size
+    if len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"tokenizer {model_cfg.tokenizer!r} has {len(tokenizer)} tokens, more than the "
+            f"model's {vocab_size}: it is not this model's tokenizer"
+        )
+    return tokenizer
 
 
 def _build_ggml_runner(
@@ -140,10 +157,12 @@ class ExecutionEngine:
         self.threads = model_cfg.threads
         if self.threads is not None:
             torch.set_num_threads(self.threads)
-        self.target_path = resolve_model_path(model_cfg.model)
-        self.tokenizer = load_tokenizer(self.target_path)
+        source = locate_model(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
+        self.backend, gguf = pick_backend(model_cfg, source)
+        # A GGUF's dir holds dequantized weights only for torch: llama.cpp reads the file.
+        self.target_path = checkpoint_dir(source, weights=self.backend == "torch")
+        self.tokenizer = _target_tokenizer(model_cfg, self.target_path)
         self.generation_eos_ids = generation_eos_ids(self.target_path)
-        self.backend, gguf = pick_backend(model_cfg, self.target_path)
         self.target: Runner
         if self.backend == "ggml":
             assert gguf is not None
@@ -160,8 +179,12 @@ class ExecutionEngine:
             if model_cfg.draft_model is None:
                 pick = default_head_dir if need_draft == "eagle" else default_draft_dir
                 self.draft_path = pick(self.target_path)
+                draft_gguf = None
             else:
-                self.draft_path = resolve_model_path(model_cfg.draft_model)
+                draft_source = locate_model(model_cfg.draft_model)
+                # A GGUF draft beside a ggml target runs on ggml too: no weights expanded.
+                draft_gguf = gguf_source(draft_source) if self.backend == "ggml" else None
+                self.draft_path = checkpoint_dir(draft_source, weights=draft_gguf is None)
             draft_blocks = max(1, int(self.target.cache.num_blocks * cache_cfg.draft_blocks_ratio))
             if is_eagle_head(self.draft_path):
                 self.draft = _build_head_runner(
@@ -170,10 +193,7 @@ class ExecutionEngine:
                 self.target.capture_hidden = True  # the head drafts from the target's features
             else:
                 check_draft_compatible(self.target_path, self.draft_path)
-                draft_gguf = None
                 # (No draft named: the default draft, a checkpoint dir, never a GGUF file.)
-                if self.backend == "ggml" and model_cfg.draft_model is not None:
-                    draft_gguf = gguf_source(model_cfg.draft_model, self.draft_path)
                 if draft_gguf is not None:  # a GGUF draft beside a ggml target: ggml too
                     cells = CacheConfig(
                         block_size=cache_cfg.block_size,

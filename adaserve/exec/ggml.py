@@ -425,8 +425,8 @@ class GgmlRunner:
         n_ubatch: int = 512,
         n_threads: int | None = None,
     ):
-        """`checkpoint`: the dir converted from the GGUF file (config, tokenizer; an EAGLE head
-        borrows its embedding and LM head)."""
+        """`checkpoint`: the GGUF file's dir (config and tokenizer from its metadata, no
+        weights; an EAGLE head borrows the embedding and LM head from the GGUF itself)."""
         args = load_args(checkpoint)
         self.gguf = Path(gguf)
         self.llama = LlamaCppContext(self.gguf, cache_tokens, n_batch, n_ubatch, n_threads)

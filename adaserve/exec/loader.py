@@ -1,7 +1,9 @@
-"""Weights in: Hugging Face checkpoint dirs (one or sharded safetensors) and GGUF files.
+"""Weights in: Hugging Face checkpoint dirs (one or sharded safetensors), GGUF files, and
+either of them by hub id (`hub.py`).
 
-A GGUF file is converted once into a checkpoint dir in the cache (dequantized weights as
-safetensors, config.json, tokenizer files) and loaded from there like any other dir.
+`locate_model` finds a model's files; `checkpoint_dir` gives the dir everything else reads.
+A GGUF file gets a dir in the cache once (config.json and tokenizer from its metadata); its
+weights are dequantized into it only for the torch backend (llama.cpp runs the file itself).
 """
 
 from __future__ import annotations
@@ -14,11 +16,20 @@ import torch
 
 from adaserve.exec.checkpoint_files import (
     GGUF_SOURCE,
+    TOKENIZER_ERROR,
     convert_gguf,
+    gguf_embedding_and_head,
+    has_weights,
     iter_safetensors,
     safetensor_files,
 )
 from adaserve.exec.default_model import default_gguf_file, default_model_dir
+from adaserve.exec.hub import (
+    download_checkpoint,
+    download_gguf,
+    download_tokenizer,
+    looks_like_repo_id,
+)
 from adaserve.exec.model.llama import (
     SUPPORTED_ARCHITECTURES,
     LlamaArgs,
@@ -29,46 +40,132 @@ from adaserve.exec.model.llama import (
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(model: str | os.PathLike | None) -> Path:
-    """A checkpoint dir for `model`: None -> default model; .gguf -> its converted dir."""
+def locate_model(
+    model: str | os.PathLike | None, revision: str | None = None, gguf_file: str | None = None
+) -> Path:
+    """Where a model's files are, nothing converted: a checkpoint dir or a .gguf file.
+
+    None: the default model's dir. A local dir or .gguf file as it is (`gguf_file`: that file
+    in the dir). Anything else must be a hub id (owner/name): its snapshot in the hub cache,
+    downloaded first unless HF_HUB_OFFLINE is set.
+    """
     if model is None:
         return default_model_dir()
     path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        return convert_gguf(path)
-    if not path.exists():
+    if path.exists():
+        if revision is not None:
+            raise ValueError(
+                f"revision {revision!r} picks a version of a hub model; {str(path)!r} is local"
+            )
+        return _local_model(path, gguf_file)
+    name = str(model)
+    if not looks_like_repo_id(name):
         raise FileNotFoundError(
-            f"model path {str(path)!r} does not exist; give a local Hugging Face checkpoint dir "
-            "(config.json + *.safetensors) or a .gguf file (adaserve does not download from a hub)"
+            f"model path {name!r} does not exist, and it is not a Hugging Face hub id "
+            "(owner/name); give a local checkpoint dir (config.json + *.safetensors), a .gguf "
+            "file, or a hub id such as meta-llama/Llama-3.1-8B-Instruct"
         )
+    if gguf_file is not None:
+        return download_gguf(name, revision, gguf_file)
+    return download_checkpoint(name, revision)
+
+
+def _local_model(path: Path, gguf_file: str | None) -> Path:
+    if gguf_file is not None:
+        if not (path / gguf_file).is_file():
+            found = sorted(p.name for p in path.glob("*.gguf")) if path.is_dir() else []
+            raise FileNotFoundError(
+                f"{str(path)!r} has no {gguf_file!r} (GGUF files there: {found or 'none'})"
+            )
+        return path / gguf_file
+    if path.is_file() and path.suffix == ".gguf":
+        return path
     if not path.is_dir():
         raise ValueError(f"model path {str(path)!r} is neither a checkpoint dir nor a .gguf file")
     if not (path / "config.json").exists():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = f"; to serve one of its GGUF files name it with gguf_file: {ggufs}" if ggufs else ""
         raise FileNotFoundError(
-            f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir"
+            f"{str(path)!r} has no config.json: not a Hugging Face checkpoint dir{hint}"
         )
     return path
 
 
-def load_args(path: Path) -> LlamaArgs:
+def checkpoint_dir(source: Path, weights: bool = True) -> Path:
+    """A checkpoint dir for a located model: a dir as it is; for a GGUF file, its dir in the
+    cache (config and tokenizer; dequantized weights only with `weights`: torch needs them,
+    llama.cpp reads the GGUF itself)."""
+    if source.is_file():
+        return convert_gguf(source, weights=weights)
+    return source
+
+
+def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    """A checkpoint dir with weights for `model` (None: the default model; a .gguf file: its
+    converted dir; a hub id: its snapshot)."""
+    return checkpoint_dir(locate_model(model))
+
+
+def locate_tokenizer(tokenizer: str) -> Path:
+    """A dir holding the tokenizer a `tokenizer` override names: a local dir, or a hub id's
+    tokenizer files (its default branch)."""
+    path = Path(tokenizer).expanduser()
+    if path.is_dir():
+        return path
+    if not looks_like_repo_id(tokenizer):
+        raise FileNotFoundError(
+            f"tokenizer {tokenizer!r} is neither a local dir nor a Hugging Face hub id (owner/name)"
+        )
+    return download_tokenizer(tokenizer)
+
+
+def load_args(path: Path, trust_remote_code: bool = False) -> LlamaArgs:
     from transformers import AutoConfig
 
     with open(path / "config.json") as f:
         raw = json.load(f)
     archs = raw.get("architectures") or []
+    if not archs and raw.get("gguf_architecture"):
+        return gguf_only_args(raw)
     if archs and archs[0] not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {archs[0]!r} in {path}; adaserve runs "
             f"{', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    return LlamaArgs.from_hf_config(AutoConfig.from_pretrained(path))
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    return LlamaArgs.from_hf_config(config)
 
 
-def load_model(path: Path, dtype: str = "float32", device: str = "cpu") -> LlamaForCausalLM:
+def gguf_only_args(raw: dict) -> LlamaArgs:
+    """The numbers a GGUF of an architecture only llama.cpp runs gives (context length, KV
+    sizing, vocabulary): enough for the ggml backend, never for this package's model."""
+    return LlamaArgs(
+        architecture=f"gguf:{raw['gguf_architecture']}",
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        intermediate_size=raw["intermediate_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=raw["num_attention_heads"],
+        num_kv_heads=raw["num_key_value_heads"],
+        head_dim=raw["head_dim"],
+        rms_norm_eps=raw["rms_norm_eps"],
+        max_position_embeddings=raw["max_position_embeddings"],
+        rope_theta=float(raw["rope_theta"]),
+        rope_scaling=None,
+        qkv_bias=False,
+        tie_word_embeddings=raw["tie_word_embeddings"],
+        # (llama.cpp applies a model's sliding window itself: no limit to impose here.)
+        sliding_window=None,
+    )
+
+
+def load_model(
+    path: Path, dtype: str = "float32", device: str = "cpu", trust_remote_code: bool = False
+) -> LlamaForCausalLM:
     """Build our model from a checkpoint dir and load its weights."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
-    args = load_args(path)
+    args = load_args(path, trust_remote_code)
     files = safetensor_files(path)
     with torch.device("meta"):
         model = LlamaForCausalLM(args)
@@ -79,10 +176,16 @@ def load_model(path: Path, dtype: str = "float32", device: str = "cpu") -> Llama
     return model.eval()
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    failed = path / TOKENIZER_ERROR
+    if failed.exists():
+        raise FileNotFoundError(
+            f"transformers could not build a tokenizer from the GGUF file behind {path} "
+            f"({failed.read_text().strip()}); name one with tokenizer (--tokenizer DIR_OR_HUB_ID)"
+        )
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
 
 
 def generation_eos_ids(path: Path) -> tuple[int, ...]:
@@ -120,18 +223,18 @@ def check_draft_compatible(target_path: Path, draft_path: Path) -> None:
         )
 
 
-def gguf_source(model: str | os.PathLike | None, path: Path) -> Path | None:
-    """The GGUF file behind a model (None: none known): the model itself when it is a .gguf
-    file, the default model's download, or the file a converted dir records."""
-    if model is not None and Path(model).expanduser().suffix == ".gguf":
-        return Path(model).expanduser().resolve()
-    if model is None:
+def gguf_source(source: Path, is_default: bool = False) -> Path | None:
+    """The GGUF file behind a located model (None: none known): the model itself when it is
+    a .gguf file, the default model's download, or the file a converted dir records."""
+    if source.is_file() and source.suffix == ".gguf":
+        return source.absolute()
+    if is_default:
         return default_gguf_file()
-    marker = path / GGUF_SOURCE
+    marker = source / GGUF_SOURCE
     if marker.exists():
         with open(marker) as f:
-            source = Path(json.load(f)["gguf"])
-        return source if source.exists() else None
+            recorded = Path(json.load(f)["gguf"])
+        return recorded if recorded.exists() else None
     return None
 
 
@@ -142,7 +245,11 @@ def load_embedding_and_head(path: Path):
 
     args = load_args(path)
     want = {"model.embed_tokens.weight", "lm_head.weight"}
-    found = {n: t for n, t in iter_safetensors(safetensor_files(path)) if n in want}
+    gguf = None if has_weights(path) else gguf_source(path)
+    if gguf is not None:  # a GGUF dir without weights (ggml): dequantize just these two
+        found = gguf_embedding_and_head(gguf)
+    else:
+        found = {n: t for n, t in iter_safetensors(safetensor_files(path)) if n in want}
     if "model.embed_tokens.weight" not in found:
         raise ValueError(f"{path} has no model.embed_tokens.weight")
     embed = torch.nn.Embedding.from_pretrained(found["model.embed_tokens.weight"].float())
