@@ -89,6 +89,9 @@ EXTRA_FLAGS: dict[str, tuple[str, ...]] = {
 METAVARS: dict[str, str] = {
     "draft_model": "PATH",
     "draft_vocab_file": "FILE",
+    "revision": "REV",
+    "tokenizer": "NAME",
+    "gguf_file": "FILE",
     "device": "DEVICE",
     "record_acceptance": "FILE",
     "record_iterations": "FILE",
@@ -106,7 +109,13 @@ METAVARS: dict[str, str] = {
 
 FIELD_HELP: dict[str, str] = {
     # ModelConfig
-    "model": "HF checkpoint dir or .gguf file (default: SmolLM2-135M-Instruct)",
+    "model": "a Hugging Face hub id (owner/name), a checkpoint dir or a .gguf file "
+    "(default: SmolLM2-135M-Instruct)",
+    "revision": "with a hub id: the branch, tag or commit to download (default: main)",
+    "tokenizer": "a dir or hub id whose tokenizer replaces the model's",
+    "gguf_file": "the .gguf file to serve out of a hub repo or dir (as llama-server's -hf)",
+    "trust_remote_code": "let transformers run code a hub repo ships for its tokenizer and "
+    "config (never for the model: its code is adaserve's own)",
     "draft_model": "draft checkpoint sharing the target's tokenizer, or an EAGLE head dir (with "
     "the default target and none given: --drafter model takes a truncated copy of the target, "
     "--drafter eagle the shipped head)",

@@ -14,6 +14,7 @@ from typing import Any, cast
 
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.engine import ExecutionEngine
+from adaserve.exec.model.eagle import is_eagle_head
 from adaserve.request_manager.admission import Admission
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
@@ -71,7 +72,13 @@ class LLMEngine:
             need_draft = "eagle" if "eagle" in drafter else "model"
         self.engine = ExecutionEngine(model_cfg, cache_cfg, need_draft=need_draft)
         self.tokenizer = self.engine.tokenizer
-        self.scheduler = Scheduler(sched_cfg, self.engine, model_cfg.resolved_drafter)
+        # What the engine loaded decides: a draft named by hub id is known to be an EAGLE
+        # head only once its files are here.
+        draft = self.engine.draft_path
+        if model_cfg.drafter == "auto" and draft is not None and is_eagle_head(draft):
+            drafter = "eagle"
+        self.drafter = drafter
+        self.scheduler = Scheduler(sched_cfg, self.engine, drafter)
         self._ids = itertools.count()
 
     def apply_profile(
@@ -81,9 +88,7 @@ class LLMEngine:
         if self.has_unfinished():
             raise RuntimeError("apply_profile needs an idle engine")
         self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
-        self.scheduler = Scheduler(
-            self.sched_cfg, self.engine, self.model_cfg.resolved_drafter, cost_model
-        )
+        self.scheduler = Scheduler(self.sched_cfg, self.engine, self.drafter, cost_model)
 
     @property
     def max_model_len(self) -> int:

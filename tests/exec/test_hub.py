@@ -162,3 +162,32 @@ def test_trust_remote_code_reaches_transformers_and_only_when_asked(tiny_llama, 
     LLM(model=str(tiny_llama), num_blocks=32)
     LLM(model=str(tiny_llama), num_blocks=32, trust_remote_code=True)
     assert seen == [False, True], f"AutoTokenizer got trust_remote_code {seen}"
+
+
+def test_an_eagle_head_named_by_hub_id_drafts_as_eagle(hub):
+    """With drafter auto, a draft named by hub id is an EAGLE head only once its files are
+    here: the scheduler must run the head, not a draft model's drafter."""
+    from adaserve.exec.default_model import shipped_head
+
+    head = shipped_head()
+    assert head is not None
+    add_checkpoint_dir(hub, "acme/smollm2-eagle", head)
+    llm = LLM(
+        draft_model="acme/smollm2-eagle", policy="adaserve_paper", backend="torch", num_blocks=64
+    )
+    assert llm.llm_engine.scheduler.drafter is not None
+    assert llm.llm_engine.scheduler.drafter.name == "eagle"
+    out = llm.generate(
+        ["Write a python function that sorts a list."],
+        SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True),
+    )[0]
+    assert out.metrics.num_accepted_tokens >= 8, out.metrics
+
+
+def test_a_hub_snapshot_profile_is_named_by_its_repo(hub, tiny_llama):
+    from adaserve.request_manager.control.profile import startup_profile_path
+
+    commit = add_checkpoint_dir(hub, "acme/tiny", tiny_llama)
+    llm = LLM(model="acme/tiny", num_blocks=32)
+    name = startup_profile_path(llm.llm_engine.engine).name
+    assert name.startswith(f"models--acme--tiny@{commit[:12]}__"), name

@@ -304,11 +304,20 @@ def startup_profile_path(engine: ExecutionEngine) -> Path:
         target = engine.target
         assert isinstance(target, ModelRunner)  # the torch backend's target
         dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
-    draft = engine.draft_path.name if engine.draft_path is not None else "none"
-    key = f"{engine.target_path.name}__{draft}__{engine.target.device}__{dtype}".replace(":", "-")
+    draft = _model_key(engine.draft_path) if engine.draft_path is not None else "none"
+    key = f"{_model_key(engine.target_path)}__{draft}__{engine.target.device}__{dtype}"
+    key = key.replace(":", "-")
     if engine.threads is not None:
         key += f"__{engine.threads}threads"
     return cache_root() / "profiles" / f"{key}.json"
+
+
+def _model_key(path: Path) -> str:
+    """A model dir's name in a profile's file name; a hub snapshot dir is named by its commit
+    alone, so it gets its repo's name too (models--owner--name@commit)."""
+    if path.parent.name == "snapshots":
+        return f"{path.parent.parent.name}@{path.name[:12]}"
+    return path.name
 
 
 def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile | None:
