@@ -32,6 +32,9 @@ def other_value(cls: type, f: Field[Any]) -> tuple[list[str], Any]:
     inner = next((a for a in get_args(tp) if a is not type(None)), tp)
     if name == "model":
         return ["/some/model"], "/some/model"
+    if name in ("revision", "gguf_file"):  # these pick files of a named model
+        value = "x.gguf" if name == "gguf_file" else "x-revision"
+        return ["acme/model", flag, value], value
     if name in CHOICES:
         choice = next(c for c in reversed(CHOICES[name]) if c not in (default, "adaserve"))
         return [flag, choice], choice
@@ -83,17 +86,17 @@ def test_every_engine_field_is_reachable_from_generate(cls: type, f: Field[Any])
 def test_a_new_field_of_a_plain_type_needs_no_table_entry() -> None:
     @dataclass(frozen=True)
     class Extended:
-        revision: str | None = None
-        trust_remote_code: bool = False
+        widget_name: str | None = None
+        enable_widgets: bool = False
         num_things: int = 3
 
     p = LayeredParser(prog="x")
     add_config_file_argument(p)
     add_config_arguments(p, (Extended,))
-    a = p.parse_args(["--revision", "v2", "--trust-remote-code", "--num-things", "5"])
-    assert (a.revision, a.trust_remote_code, a.num_things) == ("v2", True, 5)
-    assert p.parse_args(["--revision", "none"]).revision is None
-    assert "Extended.revision (see adaserve/config.py)" in p.format_help()
+    a = p.parse_args(["--widget-name", "v2", "--enable-widgets", "--num-things", "5"])
+    assert (a.widget_name, a.enable_widgets, a.num_things) == ("v2", True, 5)
+    assert p.parse_args(["--widget-name", "none"]).widget_name is None
+    assert "Extended.widget_name (see adaserve/config.py)" in p.format_help()
 
 
 def test_command_line_beats_env_beats_config_file_beats_defaults(
