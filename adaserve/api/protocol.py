@@ -1,9 +1,9 @@
 """Pydantic models of the OpenAI API subset adaserve serves, plus its extensions.
 
-Requests: OpenAI's fields, validated strictly (a string where a number belongs is a 400, not
-a silent coercion), plus `slo_tpot_ms`, `top_k`, `ignore_eos`, `stop_token_ids` and
-`return_token_ids`. Fields OpenAI has but adaserve does not implement are accepted only at
-their no-op values, so a client never silently gets something other than it asked for.
+Requests: the OpenAI and vLLM fields adaserve implements, validated strictly (a string where a
+number belongs is a 400, not a silent coercion), plus `slo_tpot_ms` and `slo_ttft_ms`. Every
+other field is checked by `api/fields.py` before these models see the body: accepted only at
+its no-op value, so a client never silently gets something other than it asked for.
 Responses: OpenAI's objects plus an `adaserve` object beside `usage`.
 """
 
@@ -38,6 +38,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # Fields not declared here never reach the model: `fields.check_fields` refuses them first.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = _strict()
@@ -50,10 +51,6 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = _strict(False)
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = _strict(allow_inf_nan=False)
-    frequency_penalty: float | None = _strict(allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # Extensions.
     slo_tpot_ms: float | None = _strict(
         gt=0,
@@ -98,20 +95,6 @@ class _SamplingRequest(BaseModel):
             raise ValueError(
                 f"stop must be a non-empty string or a list of non-empty strings, got {_short(v)}"
             )
-        return v
-
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v not in (None, 0.0):
-            raise ValueError(f"{info.field_name} is not supported; leave it unset or 0, got {v}")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported; leave it unset")
         return v
 
     @property
@@ -165,10 +148,7 @@ class CompletionRequest(_SamplingRequest):
             ]
         },
     )
-    echo: bool | None = _strict(False)
     logprobs: int | None = _strict()
-    best_of: int | None = _strict()
-    suffix: str | None = None
     add_special_tokens: bool = _strict(
         True,
         description="add the tokenizer's special tokens (BOS) to a text prompt, as "
@@ -196,27 +176,38 @@ class CompletionRequest(_SamplingRequest):
             f"prompt must be a non-empty string or a non-empty list of token ids, got {_short(v)}"
         )
 
-    @field_validator("echo", "logprobs", "suffix")
+    @field_validator("logprobs")
     @classmethod
     def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
         if v not in (None, False, ""):
             raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
         return v
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"best_of must be 1, got {v}")
-        return v
-
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field no message has is a 400 (`describe_validation_error`), not silently dropped.
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str or a list of text parts; normalised to str by `_text`
-    name: str | None = None
+    name: str | None = _strict(description="the participant's name, passed to the chat template")
+    # What a previous assistant turn of OpenAI's response carries back (null when unused):
+    # accepted only empty, since adaserve has no tool calling or audio.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("tool_calls", "tool_call_id", "function_call", "audio")
+    @classmethod
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise ValueError(
+                f"{info.field_name} is not supported by adaserve: it has no tool calling or audio"
+            )
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -239,8 +230,6 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = _strict(ge=1)
     logprobs: bool | None = _strict(False)
     top_logprobs: int | None = _strict()
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_special_tokens: bool = _strict(
         False,
         description="also add the tokenizer's special tokens to the templated chat (the chat "
@@ -254,20 +243,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
         return v
 
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tool calling is not supported by adaserve; leave it unset")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f'response_format must be {{"type": "text"}}, got {_short(v)}')
-        return v
-
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens in OpenAI's chat API.
         return (
@@ -277,7 +252,10 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+            for m in self.messages
+        ]
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
@@ -292,6 +270,8 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"request body must be a JSON object, got {_short(err.get('input'))}", None
     if err.get("type") == "missing":
         return f"{param} is required", param
+    if err.get("type") == "extra_forbidden":
+        return f"{param} is not a field of a chat message", param
     if err.get("type") == "value_error":  # our validators: a whole sentence naming the field
         return msg.removeprefix("Value error, "), param
     msg = msg.replace("Input should be", "must be").replace("List should", "must")

@@ -29,6 +29,13 @@ from adaserve.api.async_engine import (
     RequestStream,
 )
 from adaserve.api.errors import APIError
+from adaserve.api.fields import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    FieldError,
+    Unsupported,
+    check_fields,
+)
 from adaserve.api.metrics import FinishedRequest
 from adaserve.api.protocol import (
     AdaserveInfo,
@@ -108,13 +115,25 @@ def request_id(kind: str, headers: Mapping[str, str]) -> str:
     return f"{kind}-{sent}-{uuid.uuid4().hex[:8]}"
 
 
-async def parse_body(request: Request, model: type[BodyT], served_name: str) -> BodyT:
-    """The JSON body validated as `model`: a 400 naming the field, or a 404 for another model."""
+async def parse_body(
+    request: Request,
+    model: type[BodyT],
+    served_name: str,
+    refused: Mapping[str, Unsupported] | None = None,
+) -> BodyT:
+    """The JSON body validated as `model`: a 400 naming the field, or a 404 for another model.
+    With `refused` (the route's known fields adaserve does not implement), a field the model
+    lacks is a 400 unless it asks for nothing (`fields.check_fields`)."""
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if refused is not None:
+        try:
+            check_fields(data, model, refused)
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -201,7 +220,8 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ admission
     async def _parse(self, request: Request, model: type[_SamplingRequest]) -> _SamplingRequest:
-        body = await parse_body(request, model, self.model_name)
+        refused = REFUSED_CHAT if model is ChatCompletionRequest else REFUSED_COMPLETION
+        body = await parse_body(request, model, self.model_name, refused)
         from_headers = {
             field: value
             for field, value in slo_from_headers(request.headers).items()

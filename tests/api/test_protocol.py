@@ -40,7 +40,6 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     ({"prompt": "hi", "logprobs": 2}, "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
 ]
 
 
