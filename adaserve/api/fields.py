@@ -75,13 +75,6 @@ _COMMON: dict[str, Unsupported] = {
     "service_tier": Unsupported("service tiers are not supported", ("auto", "default")),
     "prediction": Unsupported("predicted outputs are not supported"),
     "echo": Unsupported("echoing the prompt is not supported"),
-    "presence_penalty": Unsupported("presence_penalty is not supported yet", (0,)),
-    "frequency_penalty": Unsupported("frequency_penalty is not supported yet", (0,)),
-    "repetition_penalty": Unsupported("repetition_penalty is not supported yet", (1,)),
-    "min_p": Unsupported("min_p is not supported yet", (0,)),
-    "min_tokens": Unsupported("min_tokens is not supported yet", (0,)),
-    "include_stop_str_in_output": Unsupported("stop strings are cut from the output"),
-    "skip_special_tokens": Unsupported("special tokens are always left out of the text", (True,)),
 }
 
 _COMPLETION_ONLY: dict[str, Unsupported] = {

@@ -21,14 +21,30 @@ from pydantic import (
     model_serializer,
 )
 
+from adaserve.request_manager.logprobs import MAX_TOP_LOGPROBS
 from adaserve.request_manager.request import SamplingParams
 
 SAMPLING_EPS = 1e-5
+# Most choices one request may ask for (n times the prompts of a batch): each is an engine
+# request of its own.
+MAX_CHOICES = 128
 MIN_TOP_P = 1e-9
 
 
 def _strict(default: Any = None, **kw: Any) -> Any:
     return Field(default, strict=True, **kw)
+
+
+# Fields passed to SamplingParams under the same name when given.
+_PROCESSING = (
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
 
 
 class StreamOptions(BaseModel):
@@ -77,12 +93,35 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool | None = _strict(
         False, description="adaserve: also return prompt and output token ids"
     )
+    # vLLM's sampling extensions (`request_manager/logits_process.py`).
+    min_tokens: int | None = _strict(
+        ge=0, description="vLLM: EOS, stop_token_ids and stop strings wait for this many tokens"
+    )
+    repetition_penalty: float | None = _strict(
+        gt=0,
+        allow_inf_nan=False,
+        description="vLLM: > 1 discourages tokens of the prompt and output so far (1: off)",
+    )
+    presence_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    min_p: float | None = _strict(
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="vLLM: drop tokens below min_p times the most likely token's probability",
+    )
+    include_stop_str_in_output: bool | None = _strict(
+        False, description="vLLM: keep the matched stop string in the text"
+    )
+    skip_special_tokens: bool | None = _strict(
+        True, description="vLLM: leave special tokens out of the text"
+    )
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request), got {v}")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {v}")
         return v
 
     @field_validator("stop", mode="before")
@@ -97,6 +136,9 @@ class _SamplingRequest(BaseModel):
             )
         return v
 
+    # Chat without max_tokens generates up to the model's length (as OpenAI and vLLM).
+    fills_max_tokens: ClassVar[bool] = False
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -104,11 +146,19 @@ class _SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to return with logprobs (None: no logprobs)."""
+        return None
+
     def to_sampling_params(self, default_slo_tpot_ms: float | None) -> SamplingParams:
         """Engine parameters; fields the client left out keep SamplingParams' defaults."""
         kw: dict[str, Any] = {}
         if (max_tokens := self.requested_max_tokens()) is not None:
             kw["max_tokens"] = max_tokens
+        elif self.fills_max_tokens and self.min_tokens:
+            # The server fills max_tokens up to the model's length later; until then it must
+            # not be below min_tokens.
+            kw["max_tokens"] = max(SamplingParams.max_tokens, self.min_tokens)
         if self.temperature is not None:
             # As in vLLM: below SAMPLING_EPS sampling is greedy in all but name, and dividing
             # logits by such a temperature overflows to inf (NaN probabilities).
@@ -125,30 +175,55 @@ class _SamplingRequest(BaseModel):
             kw["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kw["ignore_eos"] = bool(self.ignore_eos)
+        kw["logprobs"] = self.requested_logprobs()
+        for name in _PROCESSING:
+            if (value := getattr(self, name)) is not None:
+                kw[name] = value
         slo = self.slo_tpot_ms if self.slo_tpot_ms is not None else default_slo_tpot_ms
         return SamplingParams(slo_tpot_ms=slo, slo_ttft_ms=self.slo_ttft_ms, **kw)
+
+
+def _one_prompt(v: Any) -> bool:
+    """A non-empty string or a non-empty list of token ids."""
+    if isinstance(v, str):
+        return bool(v)
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    )
 
 
 class CompletionRequest(_SamplingRequest):
     # str | list[int], also a batch of one ([str] or [[int]]); checked by `_one_prompt`.
     prompt: Any = Field(
         ...,
-        description="the prompt: a string or a list of token ids (or a batch of one of them)",
+        description="the prompt: a string or a list of token ids, or a batch (list) of them; "
+        "choice i * n + j is prompt i's j-th sample",
         json_schema_extra={
             "anyOf": [
                 {"type": "string"},
                 {"type": "array", "items": {"type": "integer"}},
-                {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "maxItems": MAX_CHOICES,
+                },
                 {
                     "type": "array",
                     "items": {"type": "array", "items": {"type": "integer"}},
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_CHOICES,
                 },
             ]
         },
     )
-    logprobs: int | None = _strict()
+    logprobs: int | None = _strict(
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="return each token's logprob and this many most likely alternatives",
+    )
     add_special_tokens: bool = _strict(
         True,
         description="add the tokenizer's special tokens (BOS) to a text prompt, as "
@@ -157,31 +232,25 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one prompt
-        if isinstance(v, str) and v:
+    def _prompts(cls, v: Any) -> str | list[int] | list[str | list[int]]:
+        if _one_prompt(v):
             return v
-        if (
-            isinstance(v, list)
-            and v
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-        ):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError(
-                f"prompt must be a single prompt, got a batch of {len(v)} (send one request each)"
-            )
+        if isinstance(v, list) and v and all(_one_prompt(p) for p in v):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"prompt: a batch holds at most {MAX_CHOICES}, got {len(v)}")
+            return v[0] if len(v) == 1 else v  # a batch of one is that prompt
         raise ValueError(
-            f"prompt must be a non-empty string or a non-empty list of token ids, got {_short(v)}"
+            "prompt must be a non-empty string, a non-empty list of token ids, or a batch "
+            f"(list) of them, got {_short(v)}"
         )
 
-    @field_validator("logprobs")
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v not in (None, False, ""):
-            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
-        return v
+    def prompt_list(self) -> list[str | list[int]]:
+        """The batch's prompts (one for a single prompt)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or all(isinstance(t, int) for t in p) else list(p)
+
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
@@ -226,22 +295,23 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    fills_max_tokens: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = _strict(ge=1)
-    logprobs: bool | None = _strict(False)
-    top_logprobs: int | None = _strict()
+    logprobs: bool | None = _strict(False, description="return each token's logprob")
+    top_logprobs: int | None = _strict(
+        ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many alternatives per token"
+    )
     add_special_tokens: bool = _strict(
         False,
         description="also add the tokenizer's special tokens to the templated chat (the chat "
         "template already writes its own, BOS included: true usually doubles it)",
     )
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
-        return v
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens in OpenAI's chat API.
@@ -322,12 +392,38 @@ class AdaserveInfo(_Response):
     spec_accepted_tokens: int  # of which accepted
 
 
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # a batch's: each choice its own prompt's
+    adaserve: AdaserveInfo | None = None  # with several choices: each its own
 
 
 class CompletionResponse(_Response):
@@ -349,15 +445,16 @@ class ChatMessageOut(_Response):
 class ChatChoice(_Response):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    adaserve: AdaserveInfo | None = None  # with several choices: each its own
 
 
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 
