@@ -39,7 +39,7 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
     ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "hi", "min_p": 1.5}, "min_p"),
