@@ -48,7 +48,22 @@ _PROCESSING = (
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown option is a 400, not dropped
+
     include_usage: bool = _strict(False)
+    # OpenAI's padding of streamed chunks against side channels: adaserve sends none.
+    include_obfuscation: bool | None = _strict(None)
+    continuous_usage_stats: bool | None = _strict(None)  # vLLM's: usage in every chunk
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError(
+                "continuous_usage_stats is not supported by adaserve: usage comes in the last "
+                "chunk (include_usage)"
+            )
+        return v
 
 
 class _SamplingRequest(BaseModel):
@@ -341,7 +356,7 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
     if err.get("type") == "missing":
         return f"{param} is required", param
     if err.get("type") == "extra_forbidden":
-        return f"{param} is not a field of a chat message", param
+        return f"{param} is not a field adaserve or OpenAI knows there", param
     if err.get("type") == "value_error":  # our validators: a whole sentence naming the field
         return msg.removeprefix("Value error, "), param
     msg = msg.replace("Input should be", "must be").replace("List should", "must")

@@ -179,6 +179,19 @@ def test_chat_message_fields_are_not_dropped(url: str, message: dict, param: str
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
+@pytest.mark.parametrize(
+    "options,param",
+    [
+        ({"continuous_usage_stats": True}, "stream_options.continuous_usage_stats"),
+        ({"include_usages": True}, "stream_options.include_usages"),
+    ],
+)
+def test_stream_options_are_not_dropped(url: str, options: dict, param: str) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": options}
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
 def test_a_returned_assistant_message_can_be_sent_back(url: str) -> None:
     """OpenAI's response message carries null tool_calls, refusal, audio: no-ops."""
     turn = {"role": "assistant", "content": "t7", "tool_calls": None, "refusal": None}
