@@ -191,6 +191,7 @@ class _SamplingRequest(BaseModel):
         kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kw["ignore_eos"] = bool(self.ignore_eos)
         kw["logprobs"] = self.requested_logprobs()
+        kw["n"] = self.n or 1
         for name in _PROCESSING:
             if (value := getattr(self, name)) is not None:
                 kw[name] = value

@@ -12,7 +12,6 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import replace
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -47,7 +46,6 @@ from adaserve.api.protocol import (
 )
 from adaserve.api.replies import Reply
 from adaserve.config import ServerConfig
-from adaserve.request_manager.request import SamplingParams
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
 
@@ -235,7 +233,7 @@ class OpenAIServing:
         streams = [
             self.engine.submit(
                 rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}",
-                choice_params(params, j),
+                params.for_choice(j),
                 arrival_time=arrival,
                 fill_max_tokens=chat and body.requested_max_tokens() is None,
                 **prompt,
@@ -363,12 +361,3 @@ async def _pump(
         merged.put_nowait((index, item))
         if isinstance(item, EngineFailed) or (isinstance(item, Delta) and item.finished):
             return
-
-
-def choice_params(params: SamplingParams, j: int) -> SamplingParams:
-    """The j-th choice of a prompt: with a seed, seed + j (as vLLM), so choices differ yet
-    repeat; without one each engine request draws its own seed."""
-    if params.seed is None or j == 0:
-        return params
-    seed = params.seed + j
-    return replace(params, seed=seed % 2**64 if seed >= 0 else seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 import time
@@ -17,6 +18,9 @@ class SamplingParams:
     """How to sample a request, and its TPOT SLO (None: best effort)."""
 
     max_tokens: int = 16
+    # Samples per prompt: LLM.generate and the server run each as a request of its own
+    # (`for_choice`); the engine itself takes n = 1 only.
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -45,6 +49,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -58,6 +64,14 @@ class SamplingParams:
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
         self._check_processing()
+
+    def for_choice(self, j: int) -> SamplingParams:
+        """The parameters of sample j of a prompt (n = 1): with a seed, seed + j (as vLLM), so
+        the samples differ yet repeat; without one each request draws its own seed."""
+        seed = self.seed
+        if seed is not None and j:
+            seed = (seed + j) % 2**64 if seed >= 0 else seed + j
+        return dataclasses.replace(self, n=1, seed=seed)
 
     def _check_processing(self) -> None:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
