@@ -198,3 +198,73 @@ def test_a_returned_assistant_message_can_be_sent_back(url: str) -> None:
     body = {"messages": [*MESSAGES, turn, {"role": "user", "content": "t8"}], "max_tokens": 2}
     r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
+
+
+def _text(url: str, route: str, **body: object) -> str:
+    base = {"prompt": PROMPT} if route == "completions" else {"messages": MESSAGES}
+    r = httpx.post(f"{url}/v1/{route}", json={**base, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    return choice["text"] if route == "completions" else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("repetition_penalty", 5.0),
+        ("presence_penalty", 2.0),
+        ("frequency_penalty", 2.0),
+    ],
+)
+def test_penalties_change_greedy_output(url: str, route: str, field: str, value: float) -> None:
+    greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    plain = _text(url, route, **greedy)
+    assert _text(url, route, **greedy, **{field: value}) != plain, f"{field} changed nothing"
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_min_p_one_keeps_only_the_top_token(url: str, route: str) -> None:
+    greedy = _text(url, route, max_tokens=12, temperature=0, ignore_eos=True)
+    sampled = _text(url, route, max_tokens=12, temperature=1.0, min_p=1.0, ignore_eos=True)
+    assert sampled == greedy, "min_p 1 must leave only the most likely token"
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_stop_and_include_stop_str_in_output_on_both_routes(url: str, route: str) -> None:
+    words = _text(url, route, max_tokens=8, temperature=0, ignore_eos=True).split()
+    stop = words[2]
+    at = words.index(stop)  # its first occurrence
+    cut = _text(url, route, max_tokens=8, temperature=0, ignore_eos=True, stop=stop)
+    kept = _text(
+        url,
+        route,
+        max_tokens=8,
+        temperature=0,
+        ignore_eos=True,
+        stop=[stop],
+        include_stop_str_in_output=True,
+    )
+    assert cut.split() == words[:at] and kept.split() == words[: at + 1], (cut, kept, words)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_min_tokens_outlasts_a_stop_token(url: str, route: str) -> None:
+    r = httpx.post(
+        f"{url}/v1/{route}",
+        json={
+            **ROUTES[route][2],
+            "max_tokens": 8,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        },
+        timeout=60,
+    )
+    first = r.json()["choices"][0]["token_ids"][0]
+    body = dict(max_tokens=8, temperature=0, stop_token_ids=[first], return_token_ids=True)
+    base = ROUTES[route][2]
+    early = httpx.post(f"{url}/v1/{route}", json={**base, **body}, timeout=60).json()
+    late = httpx.post(f"{url}/v1/{route}", json={**base, **body, "min_tokens": 5}, timeout=60)
+    assert len(early["choices"][0]["token_ids"]) == 1, early
+    assert len(late.json()["choices"][0]["token_ids"]) >= 5, late.text
