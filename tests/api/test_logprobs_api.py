@@ -100,3 +100,31 @@ def test_bad_logprobs_are_400s_naming_the_field(url, route, extra, param) -> Non
     )
     r = httpx.post(f"{url}/v1/{route}", json={**base, **extra}, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_the_official_client_reads_choices_and_logprobs(url) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+    models = client.models.list().data[0].id
+    got = client.completions.create(
+        model=models, prompt=[PROMPT, "t8 t9"], n=2, max_tokens=3, logprobs=2, seed=1
+    )
+    assert [c.index for c in got.choices] == [0, 1, 2, 3]
+    assert all(len(c.logprobs.token_logprobs) == 3 for c in got.choices)
+    chat = client.chat.completions.create(
+        model=models,
+        messages=[{"role": "user", "content": "t5"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 2},
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and len(content[0].top_logprobs) == 2
+    with pytest.raises(openai.BadRequestError, match="tool calling"):
+        client.chat.completions.create(
+            model=models,
+            messages=[{"role": "user", "content": "t5"}],
+            tools=[{"type": "function", "function": {"name": "f"}}],
+        )
