@@ -35,7 +35,6 @@ class Unsupported:
 
 # Fields OpenAI or vLLM define on both routes that adaserve does not implement.
 _COMMON: dict[str, Unsupported] = {
-    "logit_bias": Unsupported("logit biases are not supported"),
     "use_beam_search": Unsupported(BEAM),
     "length_penalty": Unsupported(BEAM, (1, 1.0)),
     "early_stopping": Unsupported(BEAM),

@@ -125,6 +125,9 @@ class _SamplingRequest(BaseModel):
         allow_inf_nan=False,
         description="vLLM: drop tokens below min_p times the most likely token's probability",
     )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100] added to its logit"
+    )
     include_stop_str_in_output: bool | None = _strict(
         False, description="vLLM: keep the matched stop string in the text"
     )
@@ -137,6 +140,17 @@ class _SamplingRequest(BaseModel):
     def _choices(cls, v: int | None) -> int | None:
         if v is not None and not 1 <= v <= MAX_CHOICES:
             raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(
+                    "logit_bias maps token ids (strings of digits) to biases in [-100, 100], "
+                    f"got {key!r}: {bias}"
+                )
         return v
 
     @field_validator("stop", mode="before")
@@ -191,6 +205,8 @@ class _SamplingRequest(BaseModel):
         kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kw["ignore_eos"] = bool(self.ignore_eos)
         kw["logprobs"] = self.requested_logprobs()
+        if self.logit_bias:
+            kw["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
         kw["n"] = self.n or 1
         for name in _PROCESSING:
             if (value := getattr(self, name)) is not None:

@@ -278,6 +278,8 @@ class OpenAIServing:
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Rejected):
+            if first.message.startswith("logit_bias"):  # ids outside the vocabulary
+                raise APIError(400, first.message, param="logit_bias")
             if chat:  # the engine speaks of "the prompt": the one the chat template made
                 raise APIError(
                     400,

@@ -7,6 +7,7 @@ exactly as plain decoding would after committing that path, so greedy output equ
 target's greedy output under the same parameters and sampling keeps its distribution.
 
 With vLLM's semantics, applied in this order to the raw logits of node i:
+  logit_bias: logit[x] += bias[x] (context-free, OpenAI's)
   repetition_penalty r: for every token in prompt + output + path,
       logit > 0 -> logit / r, else logit * r
   frequency_penalty f, presence_penalty p, with c = the token's count in output + path:
@@ -35,6 +36,7 @@ def needs_processing(p: SamplingParams) -> bool:
         or p.presence_penalty != 0.0
         or p.min_tokens > 0
         or p.min_p > 0.0
+        or bool(p.logit_bias)
     )
 
 
@@ -62,6 +64,9 @@ def process_tree_logits(
     n, vocab = out.shape
     paths = path_tokens(tokens, parents)
     device = out.device
+    if params.logit_bias:
+        biased, biases = zip(*params.logit_bias)
+        out[:, list(biased)] += torch.tensor(biases, device=device)
     counts = _output_counts(output_ids, paths, vocab, device) if _penalises(params) else None
     if params.repetition_penalty != 1.0:
         assert counts is not None

@@ -34,6 +34,8 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from tokens the output has
     frequency_penalty: float = 0.0  # subtracted per occurrence in the output
     min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias; a dict is accepted).
+    logit_bias: tuple[tuple[int, float], ...] = ()
     include_stop_str_in_output: bool = False  # the matched stop string stays in the text
     skip_special_tokens: bool = True  # special tokens are left out of the text
     # Return each token's logprob and this many alternatives (None: no logprobs).
@@ -47,6 +49,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias or ())))
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
         if not isinstance(self.n, int) or self.n < 1:
@@ -86,6 +90,11 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= getattr(self, name) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2] (0: off), got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if not (isinstance(token, int) and token >= 0 and -100.0 <= bias <= 100.0):
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+                )
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:

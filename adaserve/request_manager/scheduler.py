@@ -123,6 +123,10 @@ class Scheduler:
                 f"prompt token ids {bad[:3]} are outside the vocabulary "
                 f"[0, {self.engine.vocab_size})"
             )
+        if any(t >= self.engine.vocab_size for t, _ in req.params.logit_bias):
+            raise ValueError(
+                f"logit_bias has token ids outside the vocabulary [0, {self.engine.vocab_size})"
+            )
         if req.ttft_objective_ms is None and self.cost is not None:
             n = len(req.prompt_token_ids)
             alone_s = self.cost.predict(n, 0, n, n * (n + 1) // 2)

@@ -215,9 +215,10 @@ def _text(url: str, route: str, **body: object) -> str:
         ("repetition_penalty", 5.0),
         ("presence_penalty", 2.0),
         ("frequency_penalty", 2.0),
+        ("logit_bias", {"9": 100}),
     ],
 )
-def test_penalties_change_greedy_output(url: str, route: str, field: str, value: float) -> None:
+def test_penalties_change_greedy_output(url: str, route: str, field: str, value: object) -> None:
     greedy = dict(max_tokens=24, temperature=0, ignore_eos=True)
     plain = _text(url, route, **greedy)
     assert _text(url, route, **greedy, **{field: value}) != plain, f"{field} changed nothing"
@@ -268,3 +269,25 @@ def test_min_tokens_outlasts_a_stop_token(url: str, route: str) -> None:
     late = httpx.post(f"{url}/v1/{route}", json={**base, **body, "min_tokens": 5}, timeout=60)
     assert len(early["choices"][0]["token_ids"]) == 1, early
     assert len(late.json()["choices"][0]["token_ids"]) >= 5, late.text
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("bias", [{"96": 1}, {"x": 1}, {"5": 101}])
+def test_a_bad_logit_bias_is_a_400_naming_it(url: str, route: str, bias: dict) -> None:
+    body = {**ROUTES[route][2], "max_tokens": 2, "logit_bias": bias}
+    r = httpx.post(f"{url}/v1/{route}", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", r.text
+
+
+def test_a_strong_logit_bias_forces_its_token(url: str) -> None:
+    r = httpx.post(
+        f"{url}/v1/completions",
+        json={
+            "prompt": PROMPT,
+            "max_tokens": 4,
+            "logit_bias": {"9": 100},
+            "return_token_ids": True,
+        },
+        timeout=60,
+    )
+    assert r.json()["choices"][0]["token_ids"] == [9] * 4, r.text

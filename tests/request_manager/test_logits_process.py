@@ -27,6 +27,8 @@ def reference_row(
 ) -> torch.Tensor:
     """One node's processing written out token by token, from its full context."""
     out = row.clone()
+    for t, bias in p.logit_bias:
+        out[t] += bias
     for t in range(out.numel()):
         c = output.count(t)
         if p.repetition_penalty != 1.0 and (c or t in prompt):
@@ -64,6 +66,7 @@ def test_path_tokens_follow_parents() -> None:
         SamplingParams(repetition_penalty=0.6, frequency_penalty=0.5, presence_penalty=-0.4),
         SamplingParams(min_tokens=4, max_tokens=8),
         SamplingParams(min_p=0.2, temperature=0.7, presence_penalty=1.0),
+        SamplingParams(logit_bias={2: 5.0, 6: -3.0}, repetition_penalty=1.4),
     ],
 )
 def test_each_node_is_processed_with_its_own_paths_context(params: SamplingParams) -> None:
@@ -80,6 +83,7 @@ PROCESSED = [
     dict(repetition_penalty=1.5),
     dict(frequency_penalty=0.8, presence_penalty=0.5),
     dict(repetition_penalty=1.3, min_tokens=12, min_p=0.1),
+    dict(logit_bias={9: 4.0, 5: -2.0}),
 ]
 
 
