@@ -7,6 +7,7 @@ It is not thread-safe: one thread owns it (the server puts it in its own thread)
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import fields, replace
@@ -113,6 +114,11 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Queue a request; raises ValueError naming the problem for bad input."""
+        if params.n != 1:
+            raise ValueError(
+                f"n = {params.n}: the engine runs one sample per request; use LLM.generate or "
+                "add params.for_choice(j) for each j"
+            )
         ids = self.tokenize(prompt)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
@@ -208,20 +214,22 @@ class LLM:
             raise ValueError(f"got {len(plist)} sampling params for {len(batch)} prompts")
         eng = self.llm_engine
         now = eng.engine.clock()
-        reqs: list[Request] = []
+        reqs: list[list[Request]] = []  # per prompt, its n samples
         try:
             for p, sp in zip(batch, plist):
-                reqs.append(eng.add_request(p, sp, arrival_time=now))
+                reqs.append([])
+                for j in range(sp.n):
+                    reqs[-1].append(eng.add_request(p, sp.for_choice(j), arrival_time=now))
         except Exception:
-            for r in reqs:  # all or nothing: a bad prompt leaves no half-queued batch behind
+            for r in (r for samples in reqs for r in samples):  # all or nothing
                 eng.abort(r.request_id)
             raise
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(reqs):
+        while len(done) < sum(map(len, reqs)):
             for out in eng.step():
                 if out.finished:
                     done[out.request_id] = out
-        return [done[r.request_id] for r in reqs]
+        return [_merged([done[r.request_id] for r in samples]) for samples in reqs]
 
     def chat(
         self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None
@@ -230,3 +238,12 @@ class LLM:
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         ids = [self.llm_engine.apply_chat_template(c) for c in convs]  # type: ignore[arg-type]
         return self.generate(ids, sampling_params)
+
+
+def _merged(samples: list[RequestOutput]) -> RequestOutput:
+    """A prompt's n samples as one output whose `outputs` are indexed 0..n-1 (vLLM's shape)."""
+    first = samples[0]
+    if len(samples) == 1:
+        return first
+    outputs = [dataclasses.replace(s.outputs[0], index=j) for j, s in enumerate(samples)]
+    return dataclasses.replace(first, outputs=outputs)

@@ -20,12 +20,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from adaserve.api.logs import log_finished
 from adaserve.api.metrics import FinishedRequest, ServerMetrics
 from adaserve.llm import LLMEngine, decode_ids, encode_chat, encode_prompt
+from adaserve.request_manager.logprobs import TokenLogprob
 from adaserve.request_manager.request import RequestOutput, SamplingParams
 
 logger = logging.getLogger("adaserve.api")
@@ -71,6 +72,8 @@ class Delta:
     full_text: str = ""
     full_token_ids: tuple[int, ...] = ()
     summary: FinishedRequest | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # of `token_ids`, if asked
+    full_logprobs: tuple[TokenLogprob, ...] = ()  # on the last Delta: of the whole output
 
     @property
     def finished(self) -> bool:
@@ -449,7 +452,9 @@ class AsyncEngine(StreamBook):
     def _delta(self, out: RequestOutput) -> Delta | EngineFailed:
         """The stream item of an engine output; records the metrics of a finished request."""
         if not out.finished:
-            return Delta(out.delta_text, list(out.delta_token_ids), None)
+            return Delta(
+                out.delta_text, list(out.delta_token_ids), None, logprobs=out.delta_logprobs
+            )
         summary = self._finished(out, out.outputs[0].finish_reason or "abort")
         if summary.finish_reason == "error":  # this request alone failed inside the engine
             return EngineFailed(
@@ -463,6 +468,8 @@ class AsyncEngine(StreamBook):
             out.outputs[0].text,
             tuple(out.outputs[0].token_ids),
             summary,
+            out.delta_logprobs,
+            tuple(out.outputs[0].logprobs or ()),
         )
 
     def _finished(self, out: RequestOutput, finish_reason: str) -> FinishedRequest:

@@ -1,9 +1,9 @@
 """Pydantic models of the OpenAI API subset adaserve serves, plus its extensions.
 
-Requests: OpenAI's fields, validated strictly (a string where a number belongs is a 400, not
-a silent coercion), plus `slo_tpot_ms`, `top_k`, `ignore_eos`, `stop_token_ids` and
-`return_token_ids`. Fields OpenAI has but adaserve does not implement are accepted only at
-their no-op values, so a client never silently gets something other than it asked for.
+Requests: the OpenAI and vLLM fields adaserve implements, validated strictly (a string where a
+number belongs is a 400, not a silent coercion), plus `slo_tpot_ms` and `slo_ttft_ms`. Every
+other field is checked by `api/fields.py` before these models see the body: accepted only at
+its no-op value, so a client never silently gets something other than it asked for.
 Responses: OpenAI's objects plus an `adaserve` object beside `usage`.
 """
 
@@ -21,9 +21,13 @@ from pydantic import (
     model_serializer,
 )
 
+from adaserve.request_manager.logprobs import MAX_TOP_LOGPROBS
 from adaserve.request_manager.request import SamplingParams
 
 SAMPLING_EPS = 1e-5
+# Most choices one request may ask for (n times the prompts of a batch): each is an engine
+# request of its own.
+MAX_CHOICES = 128
 MIN_TOP_P = 1e-9
 
 
@@ -31,13 +35,41 @@ def _strict(default: Any = None, **kw: Any) -> Any:
     return Field(default, strict=True, **kw)
 
 
+# Fields passed to SamplingParams under the same name when given.
+_PROCESSING = (
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_p",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+)
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")  # an unknown option is a 400, not dropped
+
     include_usage: bool = _strict(False)
+    # OpenAI's padding of streamed chunks against side channels: adaserve sends none.
+    include_obfuscation: bool | None = _strict(None)
+    continuous_usage_stats: bool | None = _strict(None)  # vLLM's: usage in every chunk
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v: bool | None) -> bool | None:
+        if v:
+            raise ValueError(
+                "continuous_usage_stats is not supported by adaserve: usage comes in the last "
+                "chunk (include_usage)"
+            )
+        return v
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # Fields not declared here never reach the model: `fields.check_fields` refuses them first.
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = _strict()
@@ -50,10 +82,6 @@ class _SamplingRequest(BaseModel):
     stop: str | list[str] | None = None
     stream: bool | None = _strict(False)
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = _strict(allow_inf_nan=False)
-    frequency_penalty: float | None = _strict(allow_inf_nan=False)
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
     # Extensions.
     slo_tpot_ms: float | None = _strict(
         gt=0,
@@ -80,12 +108,49 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool | None = _strict(
         False, description="adaserve: also return prompt and output token ids"
     )
+    # vLLM's sampling extensions (`request_manager/logits_process.py`).
+    min_tokens: int | None = _strict(
+        ge=0, description="vLLM: EOS, stop_token_ids and stop strings wait for this many tokens"
+    )
+    repetition_penalty: float | None = _strict(
+        gt=0,
+        allow_inf_nan=False,
+        description="vLLM: > 1 discourages tokens of the prompt and output so far (1: off)",
+    )
+    presence_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = _strict(ge=-2, le=2, allow_inf_nan=False)
+    min_p: float | None = _strict(
+        ge=0,
+        le=1,
+        allow_inf_nan=False,
+        description="vLLM: drop tokens below min_p times the most likely token's probability",
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="token id (a string) -> bias in [-100, 100] added to its logit"
+    )
+    include_stop_str_in_output: bool | None = _strict(
+        False, description="vLLM: keep the matched stop string in the text"
+    )
+    skip_special_tokens: bool | None = _strict(
+        True, description="vLLM: leave special tokens out of the text"
+    )
 
     @field_validator("n")
     @classmethod
-    def _one_choice(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"n must be 1 (one choice per request), got {v}")
+    def _choices(cls, v: int | None) -> int | None:
+        if v is not None and not 1 <= v <= MAX_CHOICES:
+            raise ValueError(f"n must be an integer in [1, {MAX_CHOICES}], got {v}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (v or {}).items():
+            if not key.isdigit() or not -100 <= bias <= 100:
+                raise ValueError(
+                    "logit_bias maps token ids (strings of digits) to biases in [-100, 100], "
+                    f"got {key!r}: {bias}"
+                )
         return v
 
     @field_validator("stop", mode="before")
@@ -100,19 +165,8 @@ class _SamplingRequest(BaseModel):
             )
         return v
 
-    @field_validator("presence_penalty", "frequency_penalty")
-    @classmethod
-    def _no_penalty(cls, v: float | None, info: ValidationInfo) -> float | None:
-        if v not in (None, 0.0):
-            raise ValueError(f"{info.field_name} is not supported; leave it unset or 0, got {v}")
-        return v
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, v: dict | None) -> dict | None:
-        if v:
-            raise ValueError("logit_bias is not supported; leave it unset")
-        return v
+    # Chat without max_tokens generates up to the model's length (as OpenAI and vLLM).
+    fills_max_tokens: ClassVar[bool] = False
 
     @property
     def include_usage(self) -> bool:
@@ -121,11 +175,19 @@ class _SamplingRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def requested_logprobs(self) -> int | None:
+        """Alternatives per token to return with logprobs (None: no logprobs)."""
+        return None
+
     def to_sampling_params(self, default_slo_tpot_ms: float | None) -> SamplingParams:
         """Engine parameters; fields the client left out keep SamplingParams' defaults."""
         kw: dict[str, Any] = {}
         if (max_tokens := self.requested_max_tokens()) is not None:
             kw["max_tokens"] = max_tokens
+        elif self.fills_max_tokens and self.min_tokens:
+            # The server fills max_tokens up to the model's length later; until then it must
+            # not be below min_tokens.
+            kw["max_tokens"] = max(SamplingParams.max_tokens, self.min_tokens)
         if self.temperature is not None:
             # As in vLLM: below SAMPLING_EPS sampling is greedy in all but name, and dividing
             # logits by such a temperature overflows to inf (NaN probabilities).
@@ -142,33 +204,58 @@ class _SamplingRequest(BaseModel):
             kw["stop"] = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         kw["stop_token_ids"] = tuple(self.stop_token_ids or ())
         kw["ignore_eos"] = bool(self.ignore_eos)
+        kw["logprobs"] = self.requested_logprobs()
+        if self.logit_bias:
+            kw["logit_bias"] = {int(t): float(b) for t, b in self.logit_bias.items()}
+        kw["n"] = self.n or 1
+        for name in _PROCESSING:
+            if (value := getattr(self, name)) is not None:
+                kw[name] = value
         slo = self.slo_tpot_ms if self.slo_tpot_ms is not None else default_slo_tpot_ms
         return SamplingParams(slo_tpot_ms=slo, slo_ttft_ms=self.slo_ttft_ms, **kw)
+
+
+def _one_prompt(v: Any) -> bool:
+    """A non-empty string or a non-empty list of token ids."""
+    if isinstance(v, str):
+        return bool(v)
+    return (
+        isinstance(v, list)
+        and bool(v)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+    )
 
 
 class CompletionRequest(_SamplingRequest):
     # str | list[int], also a batch of one ([str] or [[int]]); checked by `_one_prompt`.
     prompt: Any = Field(
         ...,
-        description="the prompt: a string or a list of token ids (or a batch of one of them)",
+        description="the prompt: a string or a list of token ids, or a batch (list) of them; "
+        "choice i * n + j is prompt i's j-th sample",
         json_schema_extra={
             "anyOf": [
                 {"type": "string"},
                 {"type": "array", "items": {"type": "integer"}},
-                {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                {
+                    "type": "array",
+                    "items": {"type": "string"},
+                    "minItems": 1,
+                    "maxItems": MAX_CHOICES,
+                },
                 {
                     "type": "array",
                     "items": {"type": "array", "items": {"type": "integer"}},
                     "minItems": 1,
-                    "maxItems": 1,
+                    "maxItems": MAX_CHOICES,
                 },
             ]
         },
     )
-    echo: bool | None = _strict(False)
-    logprobs: int | None = _strict()
-    best_of: int | None = _strict()
-    suffix: str | None = None
+    logprobs: int | None = _strict(
+        ge=0,
+        le=MAX_TOP_LOGPROBS,
+        description="return each token's logprob and this many most likely alternatives",
+    )
     add_special_tokens: bool = _strict(
         True,
         description="add the tokenizer's special tokens (BOS) to a text prompt, as "
@@ -177,46 +264,51 @@ class CompletionRequest(_SamplingRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _one_prompt(cls, v: Any) -> str | list[int]:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
-            v = v[0]  # a batch of one prompt
-        if isinstance(v, str) and v:
+    def _prompts(cls, v: Any) -> str | list[int] | list[str | list[int]]:
+        if _one_prompt(v):
             return v
-        if (
-            isinstance(v, list)
-            and v
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-        ):
-            return v
-        if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
-            raise ValueError(
-                f"prompt must be a single prompt, got a batch of {len(v)} (send one request each)"
-            )
+        if isinstance(v, list) and v and all(_one_prompt(p) for p in v):
+            if len(v) > MAX_CHOICES:
+                raise ValueError(f"prompt: a batch holds at most {MAX_CHOICES}, got {len(v)}")
+            return v[0] if len(v) == 1 else v  # a batch of one is that prompt
         raise ValueError(
-            f"prompt must be a non-empty string or a non-empty list of token ids, got {_short(v)}"
+            "prompt must be a non-empty string, a non-empty list of token ids, or a batch "
+            f"(list) of them, got {_short(v)}"
         )
 
-    @field_validator("echo", "logprobs", "suffix")
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        if v not in (None, False, ""):
-            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
-        return v
+    def prompt_list(self) -> list[str | list[int]]:
+        """The batch's prompts (one for a single prompt)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or all(isinstance(t, int) for t in p) else list(p)
 
-    @field_validator("best_of")
-    @classmethod
-    def _one_candidate(cls, v: int | None) -> int | None:
-        if v not in (None, 1):
-            raise ValueError(f"best_of must be 1, got {v}")
-        return v
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field no message has is a 400 (`describe_validation_error`), not silently dropped.
+    model_config = ConfigDict(extra="forbid")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None  # str or a list of text parts; normalised to str by `_text`
-    name: str | None = None
+    name: str | None = _strict(description="the participant's name, passed to the chat template")
+    # What a previous assistant turn of OpenAI's response carries back (null when unused):
+    # accepted only empty, since adaserve has no tool calling or audio.
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
+    annotations: list[Any] | None = None
+
+    @field_validator("tool_calls", "tool_call_id", "function_call", "audio")
+    @classmethod
+    def _no_tools(cls, v: Any, info: ValidationInfo) -> Any:
+        if v:
+            raise ValueError(
+                f"{info.field_name} is not supported by adaserve: it has no tool calling or audio"
+            )
+        return v
 
     @field_validator("content", mode="before")
     @classmethod
@@ -235,38 +327,23 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    fills_max_tokens: ClassVar[bool] = True
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = _strict(ge=1)
-    logprobs: bool | None = _strict(False)
-    top_logprobs: int | None = _strict()
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = _strict(False, description="return each token's logprob")
+    top_logprobs: int | None = _strict(
+        ge=0, le=MAX_TOP_LOGPROBS, description="with logprobs: this many alternatives per token"
+    )
     add_special_tokens: bool = _strict(
         False,
         description="also add the tokenizer's special tokens to the templated chat (the chat "
         "template already writes its own, BOS included: true usually doubles it)",
     )
 
-    @field_validator("logprobs", "top_logprobs")
-    @classmethod
-    def _no_logprobs(cls, v: Any, info: ValidationInfo) -> Any:
-        if v:
-            raise ValueError(f"{info.field_name} is not supported by adaserve; leave it unset")
-        return v
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, v: list | None) -> list | None:
-        if v:
-            raise ValueError("tool calling is not supported by adaserve; leave it unset")
-        return v
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, v: dict | None) -> dict | None:
-        if v is not None and v.get("type") != "text":
-            raise ValueError(f'response_format must be {{"type": "text"}}, got {_short(v)}')
-        return v
+    def requested_logprobs(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens replaces the deprecated max_tokens in OpenAI's chat API.
@@ -277,7 +354,10 @@ class ChatCompletionRequest(_SamplingRequest):
         )
 
     def message_dicts(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+        return [
+            {"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
+            for m in self.messages
+        ]
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
@@ -292,6 +372,8 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
         return f"request body must be a JSON object, got {_short(err.get('input'))}", None
     if err.get("type") == "missing":
         return f"{param} is required", param
+    if err.get("type") == "extra_forbidden":
+        return f"{param} is not a field adaserve or OpenAI knows there", param
     if err.get("type") == "value_error":  # our validators: a whole sentence naming the field
         return msg.removeprefix("Value error, "), param
     msg = msg.replace("Input should be", "must be").replace("List should", "must")
@@ -342,12 +424,38 @@ class AdaserveInfo(_Response):
     spec_accepted_tokens: int  # of which accepted
 
 
+class CompletionLogprobs(_Response):
+    """OpenAI's legacy shape: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class CompletionChoice(_Response):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None  # a batch's: each choice its own prompt's
+    adaserve: AdaserveInfo | None = None  # with several choices: each its own
 
 
 class CompletionResponse(_Response):
@@ -369,15 +477,16 @@ class ChatMessageOut(_Response):
 class ChatChoice(_Response):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
+    adaserve: AdaserveInfo | None = None  # with several choices: each its own
 
 
 class ChatChunkChoice(_Response):
     index: int = 0
     delta: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None
     token_ids: list[int] | None = None
 

@@ -27,24 +27,24 @@ from adaserve.api.async_engine import (
     Refused,
     Rejected,
     RequestStream,
+    StreamItem,
 )
 from adaserve.api.errors import APIError
-from adaserve.api.metrics import FinishedRequest
+from adaserve.api.fields import (
+    REFUSED_CHAT,
+    REFUSED_COMPLETION,
+    FieldError,
+    Unsupported,
+    check_fields,
+)
 from adaserve.api.protocol import (
-    AdaserveInfo,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
+    MAX_CHOICES,
     ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatMessageOut,
-    CompletionChoice,
     CompletionRequest,
-    CompletionResponse,
-    UsageInfo,
     _SamplingRequest,
     describe_validation_error,
 )
+from adaserve.api.replies import Reply
 from adaserve.config import ServerConfig
 
 BodyT = TypeVar("BodyT", bound=BaseModel)
@@ -108,13 +108,25 @@ def request_id(kind: str, headers: Mapping[str, str]) -> str:
     return f"{kind}-{sent}-{uuid.uuid4().hex[:8]}"
 
 
-async def parse_body(request: Request, model: type[BodyT], served_name: str) -> BodyT:
-    """The JSON body validated as `model`: a 400 naming the field, or a 404 for another model."""
+async def parse_body(
+    request: Request,
+    model: type[BodyT],
+    served_name: str,
+    refused: Mapping[str, Unsupported] | None = None,
+) -> BodyT:
+    """The JSON body validated as `model`: a 400 naming the field, or a 404 for another model.
+    With `refused` (the route's known fields adaserve does not implement), a field the model
+    lacks is a 400 unless it asks for nothing (`fields.check_fields`)."""
     raw = await request.body()
     try:
         data = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, UnicodeDecodeError) as exc:
         raise APIError(400, f"request body is not valid JSON: {exc}") from None
+    if refused is not None:
+        try:
+            check_fields(data, model, refused)
+        except FieldError as exc:
+            raise APIError(400, str(exc), param=exc.param) from None
     try:
         body = model.model_validate(data)
     except ValidationError as exc:
@@ -137,35 +149,6 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else 1000.0 * seconds
-
-
-def adaserve_info(s: FinishedRequest) -> AdaserveInfo:
-    return AdaserveInfo(
-        tpot_ms=s.tpot_ms,
-        ttft_ms=_ms(s.ttft_s),
-        e2e_ms=_ms(s.e2e_s),
-        slo_tpot_ms=s.slo_tpot_ms,
-        slo_class=s.slo_class,
-        slo_attained=s.slo_attained,
-        slo_ttft_ms=s.slo_ttft_ms,
-        ttft_objective_ms=s.ttft_objective_ms,
-        ttft_attained=s.ttft_attained,
-        tpot_attained=s.tpot_attained,
-        spec_tree_tokens=s.spec_tree_tokens,
-        spec_accepted_tokens=s.spec_accepted_tokens,
-    )
-
-
-def usage_info(num_prompt_tokens: int, s: FinishedRequest) -> UsageInfo:
-    return UsageInfo(
-        prompt_tokens=num_prompt_tokens,
-        completion_tokens=s.num_output_tokens,
-        total_tokens=num_prompt_tokens + s.num_output_tokens,
-    )
-
-
 def sse(obj: BaseModel | dict) -> str:
     body = obj.model_dump_json() if isinstance(obj, BaseModel) else json.dumps(obj)
     return f"data: {body}\n\n"
@@ -184,24 +167,20 @@ class OpenAIServing:
     async def completions(self, request: Request) -> Response:
         body = await self._parse(request, CompletionRequest)
         assert isinstance(body, CompletionRequest)
-        return await self._generate(
-            request, body, "cmpl", prompt=body.prompt, add_special_tokens=body.add_special_tokens
-        )
+        special = body.add_special_tokens
+        prompts = [{"prompt": p, "add_special_tokens": special} for p in body.prompt_list()]
+        return await self._generate(request, body, "cmpl", prompts)
 
     async def chat(self, request: Request) -> Response:
         body = await self._parse(request, ChatCompletionRequest)
         assert isinstance(body, ChatCompletionRequest)
-        return await self._generate(
-            request,
-            body,
-            "chatcmpl",
-            messages=body.message_dicts(),
-            add_special_tokens=body.add_special_tokens,
-        )
+        chat = {"messages": body.message_dicts(), "add_special_tokens": body.add_special_tokens}
+        return await self._generate(request, body, "chatcmpl", [chat])
 
     # ------------------------------------------------------------------ admission
     async def _parse(self, request: Request, model: type[_SamplingRequest]) -> _SamplingRequest:
-        body = await parse_body(request, model, self.model_name)
+        refused = REFUSED_CHAT if model is ChatCompletionRequest else REFUSED_COMPLETION
+        body = await parse_body(request, model, self.model_name, refused)
         from_headers = {
             field: value
             for field, value in slo_from_headers(request.headers).items()
@@ -232,28 +211,57 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ generation
     async def _generate(
-        self, request: Request, body: _SamplingRequest, kind: str, **prompt: Any
+        self, request: Request, body: _SamplingRequest, kind: str, prompts: list[dict[str, Any]]
     ) -> Response:
+        """Run every choice of every prompt as an engine request of its own, then stream or
+        collect them as one response."""
         arrival = time.monotonic()
         rid = request_id(kind, request.headers)
         try:
             params = body.to_sampling_params(self.cfg.default_slo_tpot_ms)
         except ValueError as exc:  # pydantic checked the fields; this is the engine's word
             raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+        chat, n = kind == "chatcmpl", body.n or 1
+        if len(prompts) * n > MAX_CHOICES:
+            raise APIError(
+                400,
+                f"n times the batch's {len(prompts)} prompts is {len(prompts) * n} choices, "
+                f"more than {MAX_CHOICES}; send several requests",
+                param="n",
+            )
         self._admit()
-        chat = kind == "chatcmpl"
-        stream = self.engine.submit(
-            rid,
-            params,
-            arrival_time=arrival,
-            fill_max_tokens=chat and body.requested_max_tokens() is None,
-            **prompt,
-        )
+        streams = [
+            self.engine.submit(
+                rid if len(prompts) * n == 1 else f"{rid}-{i * n + j}",
+                params.for_choice(j),
+                arrival_time=arrival,
+                fill_max_tokens=chat and body.requested_max_tokens() is None,
+                **prompt,
+            )
+            for i, prompt in enumerate(prompts)
+            for j in range(n)
+        ]
         try:
-            first = await stream.get()
-        except BaseException:  # cancelled (client gone, shutdown): do not leave it running
-            self.engine.abort(stream)
+            prompt_ids = [await self._accepted(s, chat) for s in streams]
+        except BaseException:  # refused, or cancelled (client gone): leave none running
+            for s in streams:
+                self.engine.abort(s)
             raise
+        reply = Reply(rid, self.model_name, chat, body, prompt_ids, n)
+        # The client's own id when it sent one (`echo_request_id` adds it to every response).
+        own_id = {} if REQUEST_ID_HEADER in request.headers else {"X-Request-Id": rid}
+        if body.stream:
+            return StreamingResponse(
+                self._sse(streams, reply),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **own_id},
+                background=BackgroundTask(self._abort_all, streams),
+            )
+        return await self._collect(request, streams, reply, own_id)
+
+    async def _accepted(self, stream: RequestStream, chat: bool) -> list[int]:
+        """The prompt ids of a submitted request once the engine took it, else its APIError."""
+        first = await stream.get()
         if isinstance(first, EngineFailed):  # the engine stopped before it saw the request
             raise APIError(
                 503,
@@ -270,6 +278,8 @@ class OpenAIServing:
                 headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Rejected):
+            if first.message.startswith("logit_bias"):  # ids outside the vocabulary
+                raise APIError(400, first.message, param="logit_bias")
             if chat:  # the engine speaks of "the prompt": the one the chat template made
                 raise APIError(
                     400,
@@ -278,137 +288,78 @@ class OpenAIServing:
                 )
             raise APIError(400, first.message, param="prompt")
         assert isinstance(first, Accepted)
-        reply = _Reply(stream.request_id, self.model_name, chat, body, first.prompt_token_ids)
-        # The client's own id when it sent one (`echo_request_id` adds it to every response).
-        own_id = {} if REQUEST_ID_HEADER in request.headers else {"X-Request-Id": rid}
-        if body.stream:
-            return StreamingResponse(
-                self._sse(stream, reply),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **own_id},
-                background=BackgroundTask(self.engine.abort, stream),
-            )
-        return await self._collect(request, stream, reply, own_id)
+        return first.prompt_token_ids
 
-    async def _sse(self, stream: RequestStream, reply: _Reply) -> AsyncIterator[str]:
+    def _abort_all(self, streams: list[RequestStream]) -> None:
+        for s in streams:
+            self.engine.abort(s)
+
+    async def _sse(self, streams: list[RequestStream], reply: Reply) -> AsyncIterator[str]:
+        merged: asyncio.Queue[tuple[int, StreamItem]] = asyncio.Queue()
+        pumps = [asyncio.create_task(_pump(i, s, merged)) for i, s in enumerate(streams)]
+        finals: dict[int, Delta] = {}
         try:
             if reply.chat:
-                yield sse(reply.chunk(Delta("", [], None), role="assistant"))
-            while True:
-                item = await stream.get()
+                for i in range(len(streams)):
+                    yield sse(reply.chunk(i, Delta("", [], None), role="assistant"))
+            while len(finals) < len(streams):
+                i, item = await merged.get()
                 if isinstance(item, EngineFailed):
                     yield sse({"error": APIError(500, item.message).info().model_dump()})
                     break
                 assert isinstance(item, Delta)
                 if item.text or item.token_ids or item.finished:
-                    yield sse(reply.chunk(item))
+                    yield sse(reply.chunk(i, item))
                 if item.finished:
-                    if reply.body.include_usage:
-                        yield sse(reply.usage_chunk(item))
-                    break
+                    finals[i] = item
+            else:
+                if reply.body.include_usage:
+                    yield sse(reply.usage_chunk([finals[i] for i in range(len(streams))]))
             yield "data: [DONE]\n\n"
-        finally:  # the client went away (or we are done): free the request's KV now
-            self.engine.abort(stream)
+        finally:  # the client went away (or we are done): free the requests' KV now
+            for t in pumps:
+                t.cancel()
+            self._abort_all(streams)
 
     async def _collect(
-        self, request: Request, stream: RequestStream, reply: _Reply, headers: dict[str, str]
+        self,
+        request: Request,
+        streams: list[RequestStream],
+        reply: Reply,
+        headers: dict[str, str],
     ) -> Response:
-        watcher = asyncio.create_task(self._abort_on_disconnect(request, stream))
+        watcher = asyncio.create_task(self._abort_on_disconnect(request, streams))
         try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, EngineFailed):
-                    raise APIError(500, item.message)
-                assert isinstance(item, Delta)
-                if item.finished:
-                    return JSONResponse(reply.full(item).model_dump(), headers=headers)
+            finals = []
+            for stream in streams:  # each stream's queue fills on its own: order is free
+                while True:
+                    item = await stream.get()
+                    if isinstance(item, EngineFailed):
+                        raise APIError(500, item.message)
+                    assert isinstance(item, Delta)
+                    if item.finished:
+                        finals.append(item)
+                        break
+            return JSONResponse(reply.full(finals).model_dump(), headers=headers)
         finally:
             watcher.cancel()
-            self.engine.abort(stream)
+            self._abort_all(streams)
 
-    async def _abort_on_disconnect(self, request: Request, stream: RequestStream) -> None:
+    async def _abort_on_disconnect(self, request: Request, streams: list[RequestStream]) -> None:
         # After the body is read, the next ASGI message is the disconnect (if it comes).
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.engine.abort(stream)
-        stream.queue.put_nowait(Delta("", [], "abort"))
+        for stream in streams:
+            self.engine.abort(stream)
+            stream.queue.put_nowait(Delta("", [], "abort"))
 
 
-class _Reply:
-    """Builds the response objects of one request (completion or chat)."""
-
-    def __init__(
-        self,
-        request_id: str,
-        model: str,
-        chat: bool,
-        body: _SamplingRequest,
-        prompt_token_ids: list[int],
-    ) -> None:
-        self.id, self.model, self.chat, self.body = request_id, model, chat, body
-        self.prompt_token_ids = prompt_token_ids
-        self.created = int(time.time())
-        self.want_ids = bool(body.return_token_ids)
-
-    def chunk(self, d: Delta, role: str | None = None) -> BaseModel:
-        ids = list(d.token_ids) if self.want_ids else None
-        info = adaserve_info(d.summary) if d.summary is not None else None
-        if self.chat:
-            # The final chunk's delta is {} when it brings no text, as in OpenAI's stream.
-            content = None if d.finished and not d.text else d.text
-            choice = ChatChunkChoice(
-                delta=ChatMessageOut(role=role, content=content),
-                finish_reason=d.finish_reason,
-                token_ids=ids,
-            )
-            return ChatCompletionChunk(
-                id=self.id, created=self.created, model=self.model, choices=[choice], adaserve=info
-            )
-        return CompletionResponse(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[CompletionChoice(text=d.text, token_ids=ids, finish_reason=d.finish_reason)],
-            adaserve=info,
-        )
-
-    def usage_chunk(self, d: Delta) -> BaseModel:
-        assert d.summary is not None
-        kw: dict[str, Any] = dict(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=[],
-            usage=usage_info(len(self.prompt_token_ids), d.summary),
-            adaserve=adaserve_info(d.summary),
-        )
-        return ChatCompletionChunk(**kw) if self.chat else CompletionResponse(**kw)
-
-    def full(self, d: Delta) -> BaseModel:
-        """The non-streaming response of a finished request."""
-        if d.summary is None:  # aborted by a disconnect: nobody will read it
-            return CompletionResponse(
-                id=self.id, created=self.created, model=self.model, choices=[]
-            )
-        ids = list(d.full_token_ids) if self.want_ids else None
-        prompt_ids = self.prompt_token_ids if self.want_ids else None
-        kw: dict[str, Any] = dict(
-            id=self.id,
-            created=self.created,
-            model=self.model,
-            usage=usage_info(len(self.prompt_token_ids), d.summary),
-            adaserve=adaserve_info(d.summary),
-            prompt_token_ids=prompt_ids,
-        )
-        if self.chat:
-            msg = ChatMessageOut(role="assistant", content=d.full_text)
-            return ChatCompletionResponse(
-                choices=[ChatChoice(message=msg, finish_reason=d.finish_reason, token_ids=ids)],
-                **kw,
-            )
-        return CompletionResponse(
-            choices=[
-                CompletionChoice(text=d.full_text, finish_reason=d.finish_reason, token_ids=ids)
-            ],
-            **kw,
-        )
+async def _pump(
+    index: int, stream: RequestStream, merged: asyncio.Queue[tuple[int, StreamItem]]
+) -> None:
+    """Forward one choice's stream into the response's merged queue until it ends."""
+    while True:
+        item = await stream.get()
+        merged.put_nowait((index, item))
+        if isinstance(item, EngineFailed) or (isinstance(item, Delta) and item.finished):
+            return

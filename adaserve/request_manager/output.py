@@ -44,17 +44,33 @@ class OutputProcessor:
         p = req.params
         for n, tok in enumerate(tokens, start=1):
             req.append_token(tok, now)
-            reason = None
-            if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
-                reason = "stop"
-            elif p.stop and self._hit_stop_string(req):
-                reason = "stop"
-            elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            reason = self._stop_reason(req, tok)
+            if reason is None and (
+                len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len
+            ):
                 reason = "length"
             if reason is not None:
                 req.finish(reason, now)
                 return n
         return len(tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token decoded alone (the `token` of a logprob entry)."""
+        return self.tokenizer.decode([token_id])
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        """ "stop" if `tok`, just appended, ends the request by EOS, a stop id or a stop string.
+        Not before min_tokens tokens (as vLLM; the logits held EOS and stop ids back too)."""
+        p = req.params
+        if len(req.output_token_ids) < p.min_tokens:
+            if p.stop:  # a stop string wholly inside the first min_tokens tokens never stops
+                req.stop_searched = len(self._text(req))
+            return None
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos_ids):
+            return "stop"
+        if p.stop and self._hit_stop_string(req):
+            return "stop"
+        return None
 
     def _hit_stop_string(self, req: Request) -> bool:
         text = self._text(req)
@@ -62,22 +78,25 @@ class OutputProcessor:
         longest = max(len(s) for s in req.params.stop)
         start = max(0, req.stop_searched - longest + 1)
         req.stop_searched = len(text)
-        found = [at for s in req.params.stop if (at := text.find(s, start)) != -1]
+        found = [(at, len(s)) for s in req.params.stop if (at := text.find(s, start)) != -1]
         if found:
-            req.stop_text = text[: min(found)]
+            at, length = min(found)
+            req.stop_text = text[: at + length if req.params.include_stop_str_in_output else at]
             return True
         return False
 
     def _decode(self, req: Request) -> str:
         """The whole output decoded at once (trailing U+FFFD for an incomplete character)."""
-        return self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(
+            req.output_token_ids, skip_special_tokens=req.params.skip_special_tokens
+        )
 
     def _text(self, req: Request) -> str:
         """The output's complete characters so far, decoded incrementally."""
         if self.backend is None or req.detok == _WHOLE:
             return self._decode(req).rstrip("\ufffd")
         if req.detok is None:
-            req.detok = DecodeStream(skip_special_tokens=True)
+            req.detok = DecodeStream(skip_special_tokens=req.params.skip_special_tokens)
         ids = req.output_token_ids
         chunks = []
         try:
@@ -114,9 +133,14 @@ class OutputProcessor:
         delta_text = visible[req.sent_text_len :] if len(visible) > req.sent_text_len else ""
         req.sent_text_len = max(req.sent_text_len, len(visible))
         delta_tokens = req.output_token_ids[req.sent_token_len :]
+        delta_logprobs = req.logprobs[req.sent_token_len :]
         req.sent_token_len = len(req.output_token_ids)
         out = CompletionOutput(
-            0, text if req.finished else visible, list(req.output_token_ids), req.finish_reason
+            0,
+            text if req.finished else visible,
+            list(req.output_token_ids),
+            req.finish_reason,
+            list(req.logprobs) if req.params.logprobs is not None else None,
         )
         return RequestOutput(
             req.request_id,
@@ -127,6 +151,7 @@ class OutputProcessor:
             req.metrics,
             delta_text,
             delta_tokens,
+            delta_logprobs,
             req.error,
         )
 

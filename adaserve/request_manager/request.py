@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
+
+from adaserve.request_manager.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -14,6 +18,9 @@ class SamplingParams:
     """How to sample a request, and its TPOT SLO (None: best effort)."""
 
     max_tokens: int = 16
+    # Samples per prompt: LLM.generate and the server run each as a request of its own
+    # (`for_choice`); the engine itself takes n = 1 only.
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -21,6 +28,18 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Context-dependent processing (vLLM's semantics; `logits_process.py`).
+    min_tokens: int = 0  # EOS, stop_token_ids and stop strings wait for this many tokens
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of the prompt and output
+    presence_penalty: float = 0.0  # subtracted from tokens the output has
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    min_p: float = 0.0  # drop tokens below min_p times the top token's probability
+    # (token id, bias) pairs added to the raw logits (OpenAI's logit_bias; a dict is accepted).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    include_stop_str_in_output: bool = False  # the matched stop string stays in the text
+    skip_special_tokens: bool = True  # special tokens are left out of the text
+    # Return each token's logprob and this many alternatives (None: no logprobs).
+    logprobs: int | None = None
     slo_tpot_ms: float | None = None
     # Time-to-first-token SLO: chunked prefill gives this request's prompt the chunks it needs.
     slo_ttft_ms: float | None = None
@@ -30,8 +49,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted(bias or ())))
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -44,6 +67,40 @@ class SamplingParams:
             raise ValueError(f"slo_ttft_ms must be > 0, got {self.slo_ttft_ms}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        self._check_processing()
+
+    def for_choice(self, j: int) -> SamplingParams:
+        """The parameters of sample j of a prompt (n = 1): with a seed, seed + j (as vLLM), so
+        the samples differ yet repeat; without one each request draws its own seed."""
+        seed = self.seed
+        if seed is not None and j:
+            seed = (seed + j) % 2**64 if seed >= 0 else seed + j
+        return dataclasses.replace(self, n=1, seed=seed)
+
+    def _check_processing(self) -> None:
+        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], "
+                f"got {self.min_tokens!r}"
+            )
+        if not (0.0 < self.repetition_penalty < math.inf):
+            raise ValueError(
+                f"repetition_penalty must be > 0 (1: off), got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0: off), got {getattr(self, name)}")
+        for token, bias in self.logit_bias:
+            if not (isinstance(token, int) and token >= 0 and -100.0 <= bias <= 100.0):
+                raise ValueError(
+                    f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {bias}"
+                )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0: off), got {self.min_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(
+                f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (None: off), got {self.logprobs}"
+            )
 
 
 class RequestStatus(enum.Enum):
@@ -142,6 +199,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None  # with SamplingParams.logprobs: per token
 
 
 @dataclass
@@ -156,6 +214,7 @@ class RequestOutput:
     metrics: RequestMetrics
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    delta_logprobs: list[TokenLogprob] = field(default_factory=list)
     # finish_reason "error": this request's own processing failed (others went on).
     error: str | None = None
 
@@ -204,6 +263,8 @@ class Request:
         self.stop_text: str | None = None
         self.sent_text_len = 0
         self.sent_token_len = 0
+        # With params.logprobs: one entry per output token (the scheduler appends them).
+        self.logprobs: list[TokenLogprob] = []
         # Incremental detokenization (OutputProcessor): the streaming decoder, the complete
         # characters of the first `detok_len` output tokens, and how far stop strings were
         # searched in them.

@@ -16,6 +16,8 @@ import logging
 import uuid
 from collections import deque
 
+import torch
+
 from adaserve.config import SchedulerConfig
 from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.runner import Engine, ForwardOutput
@@ -23,6 +25,8 @@ from adaserve.request_manager.acceptance_log import AcceptanceLog
 from adaserve.request_manager.admission import Admission
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.drafters import Drafter
+from adaserve.request_manager.logits_process import needs_processing, process_tree_logits
+from adaserve.request_manager.logprobs import token_logprobs
 from adaserve.request_manager.output import OutputProcessor
 from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
@@ -118,6 +122,10 @@ class Scheduler:
             raise ValueError(
                 f"prompt token ids {bad[:3]} are outside the vocabulary "
                 f"[0, {self.engine.vocab_size})"
+            )
+        if any(t >= self.engine.vocab_size for t, _ in req.params.logit_bias):
+            raise ValueError(
+                f"logit_bias has token ids outside the vocabulary [0, {self.engine.vocab_size})"
             )
         if req.ttft_objective_ms is None and self.cost is not None:
             n = len(req.prompt_token_ids)
@@ -495,8 +503,9 @@ class Scheduler:
         cache, prefix = self.engine.target.cache, self.engine.target_prefix
         assert out.logits is not None
         p = r.params
+        logits = self._processed(r, out.logits[rows[0] : rows[-1] + 1], vt.tokens, vt.parents)
         accepted, bonus = verify(
-            out.logits[rows[0] : rows[-1] + 1],
+            logits,
             vt.tokens,
             vt.parents,
             p.temperature,
@@ -518,7 +527,11 @@ class Scheduler:
             )
         cache.keep_subset(r.block_table, r.num_cached, keep)
         r.num_cached += len(keep)
-        emitted = self.output.commit(r, [vt.tokens[v] for v in accepted] + [bonus], out.end_s)
+        tokens = [vt.tokens[v] for v in accepted] + [bonus]
+        emitted = self.output.commit(r, tokens, out.end_s)
+        if p.logprobs is not None:  # token i was predicted by the row of path node keep[i]
+            tree_logits = out.logits[rows[0] : rows[-1] + 1]
+            self._record_logprobs(r, tree_logits[keep[:emitted]], tokens[:emitted])
         if prefix is not None:
             prefix.register(r.block_table, r.all_token_ids, r.num_cached, r.block_hashes)
         m = r.metrics
@@ -528,6 +541,24 @@ class Scheduler:
         stats.tree_tokens += len(vt.tokens) - 1
         stats.accepted_tokens += len(accepted)
         stats.emitted_tokens += emitted
+
+    def _processed(
+        self, r: Request, logits: torch.Tensor, tokens: list[int], parents: list[int]
+    ) -> torch.Tensor:
+        """A tree's logits after the request's penalties, min_p and min_tokens, each node with
+        its own path's context; unchanged when the request uses none of them."""
+        p = r.params
+        if not needs_processing(p):
+            return logits
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.output.eos_ids)
+        return process_tree_logits(
+            logits, tokens, parents, r.prompt_token_ids, r.output_token_ids, p, stop_ids
+        )
+
+    def _record_logprobs(self, r: Request, logits: torch.Tensor, tokens: list[int]) -> None:
+        """The emitted tokens' logprobs from the raw rows that predicted them ([k, V])."""
+        assert r.params.logprobs is not None
+        r.logprobs += token_logprobs(logits, tokens, r.params.logprobs, self.output.token_text)
 
     def _commit_chunk(self, c: ChunkItem, out: ForwardOutput, stats: IterationStats) -> bool:
         """Advance one prefill; True when its prompt is complete (it joins the running)."""
@@ -543,9 +574,10 @@ class Scheduler:
         if c.logit_row is not None:  # a fresh request: its first token comes from the last chunk
             assert out.logits is not None
             p = r.params
+            root = [r.last_token]
             _, token = verify(
-                out.logits[c.logit_row : c.logit_row + 1],
-                [r.last_token],
+                self._processed(r, out.logits[c.logit_row : c.logit_row + 1], root, [-1]),
+                root,
                 [-1],
                 p.temperature,
                 p.top_k,
@@ -553,6 +585,8 @@ class Scheduler:
                 r.generator,
             )
             self.output.commit(r, [token], out.end_s)
+            if p.logprobs is not None:
+                self._record_logprobs(r, out.logits[c.logit_row : c.logit_row + 1], [token])
             stats.emitted_tokens += 1
         return True
 

@@ -21,7 +21,7 @@ BAD_COMPLETIONS = [
     ({}, "prompt"),
     ({"prompt": ""}, "prompt"),
     ({"prompt": []}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": ["a", ""]}, "prompt"),
     ({"prompt": 7}, "prompt"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
@@ -36,11 +36,14 @@ BAD_COMPLETIONS = [
     ({"prompt": "hi", "slo_tpot_ms": True}, "slo_tpot_ms"),
     ({"prompt": "hi", "stop": [1]}, "stop"),
     ({"prompt": "hi", "seed": 2**64}, "seed"),
-    ({"prompt": "hi", "n": 2}, "n"),
+    ({"prompt": "hi", "n": 0}, "n"),
     ({"prompt": "hi", "stream": "yes"}, "stream"),
     ({"prompt": "hi", "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
-    ({"prompt": "hi", "logprobs": 2}, "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, "presence_penalty"),
+    ({"prompt": "hi", "logprobs": 21}, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "hi", "min_p": 1.5}, "min_p"),
+    ({"prompt": "hi", "min_tokens": -1}, "min_tokens"),
 ]
 
 
@@ -96,12 +99,22 @@ def test_fields_reach_sampling_params() -> None:
             "ignore_eos": True,
             "slo_tpot_ms": 40,
             "unknown": 1,
+            "min_tokens": 2,
+            "repetition_penalty": 1.2,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "min_p": 0.1,
+            "include_stop_str_in_output": True,
+            "skip_special_tokens": False,
         }
     )
     assert body.prompt == [1, 2, 3], "a batch of one token list is that prompt"
     p = body.to_sampling_params(default_slo_tpot_ms=None)
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.seed) == (5, 0.0, 0.5, -1, 3)
     assert p.stop == ("x",) and p.ignore_eos and p.slo_tpot_ms == 40
+    assert (p.min_tokens, p.repetition_penalty, p.presence_penalty) == (2, 1.2, 0.5)
+    assert (p.frequency_penalty, p.min_p) == (-0.5, 0.1)
+    assert p.include_stop_str_in_output and not p.skip_special_tokens
 
 
 def test_default_slo_applies_only_without_one() -> None:
