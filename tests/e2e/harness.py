@@ -38,8 +38,11 @@ def wait_healthy(url: str, timeout_s: float, alive: Callable[[], bool] = lambda:
 
 
 @contextmanager
-def serve_subprocess(*args: str, timeout_s: float = 180.0) -> Iterator[str]:
-    """`python -m adaserve.cli serve ARGS --port P` on 127.0.0.1; yields the base URL."""
+def serve_subprocess(*args: str, timeout_s: float = 600.0) -> Iterator[str]:
+    """`python -m adaserve.cli serve ARGS --port P` on 127.0.0.1; yields the base URL.
+
+    The limit covers the server's worst start: from an empty cache it profiles, and on a
+    noisy machine twice (75 s each in a CI run) before it starts from the defaults."""
     port = free_port()
     log = tempfile.NamedTemporaryFile("w+", prefix="adaserve-serve-", suffix=".log", delete=False)
     cmd = [
