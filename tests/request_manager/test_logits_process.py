@@ -43,18 +43,6 @@ def reference_row(
     return out
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> dict:
-    """The target, itself as a draft (many accepts), and an unrelated random draft."""
-    d = tmp_path_factory.mktemp("pair")
-    target = make_tiny_checkpoint(d / "target", seed=0)
-    return {
-        "target": target,
-        "copy": target,
-        "random": make_tiny_checkpoint(d / "draft", seed=1, num_layers=1),
-    }
-
-
 def test_path_tokens_follow_parents() -> None:
     assert path_tokens(TOKENS, PARENTS) == [[], [5], [1], [5, 5], [5, 5, 2]]
 

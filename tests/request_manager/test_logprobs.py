@@ -8,21 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from adaserve import SamplingParams
-from tests.conftest import make_tiny_checkpoint
 from tests.request_manager.test_speculative import PROMPTS, make_engine
 
 TOP = 3
-
-
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("pair")
-    target = make_tiny_checkpoint(d / "target", seed=0)
-    return {
-        "target": target,
-        "copy": target,
-        "random": make_tiny_checkpoint(d / "draft", seed=1, num_layers=1),
-    }
 
 
 def generate(engine, prompts, params) -> list:

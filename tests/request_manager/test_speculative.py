@@ -67,17 +67,6 @@ def assert_no_blocks_held(engine: LLMEngine) -> None:
             assert used == 0, f"{used} {name} KV blocks leaked"
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("pair")
-    target = make_tiny_checkpoint(d / "target", seed=0)
-    return {
-        "target": target,
-        "copy": target,
-        "random": make_tiny_checkpoint(d / "draft", seed=1, num_layers=1),
-    }
-
-
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11] * 20, [12, 13, 14], [40, 41, 42, 43, 44], [3]]
 SLOS = [5.0, 50.0, None, 500.0, 5.0, None]
 
