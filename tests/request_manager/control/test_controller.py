@@ -17,7 +17,6 @@ from tests.request_manager.test_speculative import (
     SLOS,
     assert_no_blocks_held,
     make_engine,
-    pair,  # noqa: F401 (fixture)
     run,
     slow_target,
 )
