@@ -7,8 +7,10 @@ It is not thread-safe: one thread owns it (the server puts it in its own thread)
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any, cast
@@ -20,6 +22,7 @@ from adaserve.request_manager.admission import Admission
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
+from adaserve.request_manager.structured import GrammarCompiler, StructuredOutput
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int], add_special_tokens: bool = True):
@@ -81,6 +84,8 @@ class LLMEngine:
         self.drafter = drafter
         self.scheduler = Scheduler(sched_cfg, self.engine, drafter)
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None
+        self._grammars_lock = threading.Lock()
 
     def apply_profile(
         self, budget: int, t_spec_s: float, cost_model: ForwardCostModel | None = None
@@ -120,6 +125,9 @@ class LLMEngine:
                 "add params.for_choice(j) for each j"
             )
         ids = self.tokenize(prompt)
+        grammar = None
+        if params.structured_output is not None:
+            grammar = self.grammars.grammar(params.structured_output, params.stop_token_ids)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         req = Request(
             rid,
@@ -130,8 +138,30 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else self.engine.clock(),
             default_seed=self.model_cfg.seed,
         )
+        req.grammar = grammar
         self.scheduler.add(req)
         return req
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The structured-output compiler of this model's tokenizer, built on first use (the
+        server's tokenizer thread compiles a request's constraint before the engine thread
+        takes the request: both may ask first)."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                # A copy of its own: the first call may come from the server's tokenizer
+                # thread while the engine thread decodes with this tokenizer.
+                self._grammars = GrammarCompiler(
+                    copy.deepcopy(self.tokenizer),
+                    self.engine.vocab_size,
+                    self.scheduler.output.eos_ids,
+                )
+            return self._grammars
+
+    def check_structured_output(self, so: StructuredOutput) -> None:
+        """Compile a constraint (cached for the request that carries it); ValueError saying
+        what is wrong with it."""
+        self.grammars.grammar(so)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.scheduler.abort(request_id)

@@ -28,6 +28,7 @@ from adaserve.api.metrics import FinishedRequest, ServerMetrics
 from adaserve.llm import LLMEngine, decode_ids, encode_chat, encode_prompt
 from adaserve.request_manager.logprobs import TokenLogprob
 from adaserve.request_manager.request import RequestOutput, SamplingParams
+from adaserve.request_manager.structured import StructuredOutput
 
 logger = logging.getLogger("adaserve.api")
 
@@ -158,6 +159,11 @@ class EngineFront(Protocol):
 
     async def detokenize(self, token_ids: list[int]) -> str:
         """The text of token ids; ValueError for ids outside the vocabulary."""
+        ...
+
+    async def check_structured_output(self, so: StructuredOutput) -> None:
+        """Compile a structured output constraint ahead of its request; ValueError saying
+        what is wrong with it."""
         ...
 
 
@@ -323,6 +329,9 @@ class AsyncEngine(StreamBook):
         return await self._on_tokenizer(
             lambda: decode_ids(self._tokenizer, self._vocab_size, token_ids)
         )
+
+    async def check_structured_output(self, so: StructuredOutput) -> None:
+        await self._on_tokenizer(lambda: self.engine.check_structured_output(so))
 
     async def _on_tokenizer(self, fn: Callable[[], object]) -> Any:
         """fn() on the tokenizer thread; ValueError for input it refuses."""

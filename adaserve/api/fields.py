@@ -18,7 +18,6 @@ from typing import Any
 
 from pydantic import BaseModel
 
-STRUCTURED = "structured output (JSON schema, regex, grammar, choice) is not supported yet"
 TOOLS = "tool calling is not supported by adaserve"
 BEAM = "beam search is not supported by adaserve (sampling and greedy only)"
 MULTIMODAL = "adaserve serves text-only models"
@@ -51,14 +50,12 @@ _COMMON: dict[str, Unsupported] = {
     "allowed_token_ids": Unsupported("restricting the vocabulary is not supported"),
     "bad_words": Unsupported("bad_words is not supported"),
     "logits_processors": Unsupported("custom logits processors are not supported"),
-    "guided_json": Unsupported(STRUCTURED),
-    "guided_regex": Unsupported(STRUCTURED),
-    "guided_choice": Unsupported(STRUCTURED),
-    "guided_grammar": Unsupported(STRUCTURED),
-    "guided_decoding_backend": Unsupported(STRUCTURED),
-    "guided_whitespace_pattern": Unsupported(STRUCTURED),
-    "structured_outputs": Unsupported(STRUCTURED),
-    "response_format": Unsupported(STRUCTURED, ({"type": "text"},)),
+    "guided_decoding_backend": Unsupported(
+        "structured output runs on xgrammar only", ("xgrammar", "auto")
+    ),
+    "guided_whitespace_pattern": Unsupported(
+        "a whitespace pattern is not supported (structured_outputs.disable_any_whitespace is)"
+    ),
     "priority": Unsupported("request priorities are not supported (use slo_tpot_ms)", (0,)),
     "request_id": Unsupported("send the id as the X-Request-Id header instead"),
     "return_tokens_as_token_ids": Unsupported("use return_token_ids"),

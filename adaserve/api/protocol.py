@@ -21,8 +21,10 @@ from pydantic import (
     model_serializer,
 )
 
+from adaserve.api.structured import ResponseFormat, StructuredOutputsParams, pick_constraint
 from adaserve.request_manager.logprobs import MAX_TOP_LOGPROBS
 from adaserve.request_manager.request import SamplingParams
+from adaserve.request_manager.structured import StructuredOutput
 
 SAMPLING_EPS = 1e-5
 # Most choices one request may ask for (n times the prompts of a batch): each is an engine
@@ -134,6 +136,17 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool | None = _strict(
         True, description="vLLM: leave special tokens out of the text"
     )
+    # Structured output (`api/structured.py`): one constraint per request.
+    response_format: ResponseFormat | None = Field(
+        None, description="OpenAI's: text, json_object or json_schema"
+    )
+    structured_outputs: StructuredOutputsParams | None = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar, json_object"
+    )
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM's older spelling")
+    guided_regex: str | None = _strict(description="vLLM's older spelling")
+    guided_choice: list[str] | None = _strict(description="vLLM's older spelling")
+    guided_grammar: str | None = _strict(description="vLLM's older spelling")
 
     @field_validator("n")
     @classmethod
@@ -179,6 +192,15 @@ class _SamplingRequest(BaseModel):
         """Alternatives per token to return with logprobs (None: no logprobs)."""
         return None
 
+    def constraint(self) -> tuple[StructuredOutput | None, str | None]:
+        """The structured output asked for and the field that asked; ValueError naming the
+        field for two constraints or a malformed one."""
+        guided = {
+            name: getattr(self, name)
+            for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+        }
+        return pick_constraint(self.response_format, self.structured_outputs, guided)
+
     def to_sampling_params(self, default_slo_tpot_ms: float | None) -> SamplingParams:
         """Engine parameters; fields the client left out keep SamplingParams' defaults."""
         kw: dict[str, Any] = {}
@@ -211,6 +233,7 @@ class _SamplingRequest(BaseModel):
         for name in _PROCESSING:
             if (value := getattr(self, name)) is not None:
                 kw[name] = value
+        kw["structured_output"], _ = self.constraint()
         slo = self.slo_tpot_ms if self.slo_tpot_ms is not None else default_slo_tpot_ms
         return SamplingParams(slo_tpot_ms=slo, slo_ttft_ms=self.slo_ttft_ms, **kw)
 

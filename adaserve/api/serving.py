@@ -220,7 +220,14 @@ class OpenAIServing:
         try:
             params = body.to_sampling_params(self.cfg.default_slo_tpot_ms)
         except ValueError as exc:  # pydantic checked the fields; this is the engine's word
-            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+            raise APIError(400, str(exc), param=str(exc).split(" ", 1)[0].rstrip(":")) from None
+        if params.structured_output is not None:
+            # Compiled on the tokenizer thread (cached for the engine); a bad schema is a 400.
+            _, field = body.constraint()
+            try:
+                await self.engine.check_structured_output(params.structured_output)
+            except ValueError as exc:
+                raise APIError(400, f"{field}: {exc}", param=field) from None
         chat, n = kind == "chatcmpl", body.n or 1
         if len(prompts) * n > MAX_CHOICES:
             raise APIError(

@@ -64,6 +64,7 @@ from adaserve.api.server import ModelInfo, make_app, model_info
 from adaserve.cluster.router import ReplicaStats, Router, replica_stats
 from adaserve.config import ServerConfig
 from adaserve.request_manager.request import SamplingParams
+from adaserve.request_manager.structured import StructuredOutput
 
 logger = logging.getLogger("adaserve.cluster")
 
@@ -150,6 +151,13 @@ class EngineReplica:
             return await self.front.detokenize(token_ids)
         except ValueError as exc:
             return Rejected(str(exc))
+
+    async def check_structured_output(self, so: StructuredOutput) -> None | Rejected:
+        try:
+            await self.front.check_structured_output(so)
+        except ValueError as exc:
+            return Rejected(str(exc))
+        return None
 
     async def record_routing_stats(self) -> dict[str, float]:
         """What the SLO router ranks this replica by; the metrics go to the board meanwhile."""
@@ -280,6 +288,9 @@ class RemoteEngine(StreamBook):
 
     async def detokenize(self, token_ids: list[int]) -> str:
         return await self._ask(self.handle.detokenize.remote(token_ids))
+
+    async def check_structured_output(self, so: StructuredOutput) -> None:
+        await self._ask(self.handle.check_structured_output.remote(so))
 
     async def _ask(self, call: Any) -> Any:
         """A replica's answer; its Rejected as ValueError (400), its failure as RuntimeError."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from adaserve.request_manager.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from adaserve.request_manager.structured import Grammar, StructuredOutput
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class SamplingParams:
     slo_tpot_ms: float | None = None
     # Time-to-first-token SLO: chunked prefill gives this request's prompt the chunks it needs.
     slo_ttft_ms: float | None = None
+    # The output held to a JSON schema, regex, grammar or choice (`structured.py`).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -101,6 +104,18 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be in [0, {MAX_TOP_LOGPROBS}] (None: off), got {self.logprobs}"
             )
+        if self.structured_output is not None:
+            # Once the structure is complete the grammar allows only the end of the output.
+            if self.ignore_eos:
+                raise ValueError(
+                    "ignore_eos cannot be combined with structured output: the output ends "
+                    "where its structure does"
+                )
+            if self.min_tokens:
+                raise ValueError(
+                    "min_tokens cannot be combined with structured output: the output ends "
+                    "where its structure does"
+                )
 
 
 class RequestStatus(enum.Enum):
@@ -272,6 +287,9 @@ class Request:
         self.text = ""
         self.detok_len = 0
         self.stop_searched = 0
+        # With params.structured_output: where the output stands in its grammar (LLMEngine
+        # builds it; every appended token advances it).
+        self.grammar: Grammar | None = None
 
     @property
     def ttft_objective_ms(self) -> float | None:
@@ -305,6 +323,8 @@ class Request:
             self.metrics.first_scheduled_time = now
 
     def append_token(self, token: int, now: float) -> None:
+        if self.grammar is not None:
+            self.grammar.accept(token)
         self.output_token_ids.append(token)
         m = self.metrics
         if m.first_token_time is None:

@@ -545,9 +545,13 @@ class Scheduler:
     def _processed(
         self, r: Request, logits: torch.Tensor, tokens: list[int], parents: list[int]
     ) -> torch.Tensor:
-        """A tree's logits after the request's penalties, min_p and min_tokens, each node with
-        its own path's context; unchanged when the request uses none of them."""
+        """A tree's logits after the request's structured output, penalties, min_p and
+        min_tokens, each node with its own path's context; unchanged when the request uses
+        none of them. The grammar's mask comes first, as in vLLM (min_p then sees the
+        allowed tokens only)."""
         p = r.params
+        if r.grammar is not None:
+            logits = r.grammar.mask_tree(logits, tokens, parents)
         if not needs_processing(p):
             return logits
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.output.eos_ids)

@@ -25,7 +25,7 @@ from adaserve.request_manager.drafters.combined import CombinedDrafter
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.slo import slo_requirements
-from adaserve.tree import CandidateTree, top_chain
+from adaserve.tree import CandidateTree, subtree, top_chain
 
 logger = logging.getLogger("adaserve.speculation")
 
@@ -142,7 +142,7 @@ class TreePlanner:
                     self.engine.draft.cache.truncate(r.draft_block_table, r.num_tokens)
             return TreePlan.plain(reqs)
         t_draft = self.engine.clock()
-        trees = [self.cap_depth(r, t) for r, t in zip(reqs, trees)]
+        trees = [self.constrain(r, self.cap_depth(r, t)) for r, t in zip(reqs, trees)]
         if self.cfg.policy == "sequence":
             trees = [top_chain(t) for t in trees]  # a drafter may branch; sequence is a chain
         # Controlled: the selection sees calibrated f(v) and the cost model's t_spec.
@@ -172,14 +172,15 @@ class TreePlanner:
         )
         if max(tree.depths) <= room:
             return tree
-        keep = [v for v in range(len(tree)) if tree.depths[v] <= room]
-        capped = CandidateTree.root(tree.tokens[0])
-        new_id = {0: 0}
-        for v in keep[1:]:
-            (new_id[v],) = capped.add_nodes(
-                [new_id[tree.parents[v]]], [tree.tokens[v]], [tree.logprobs[v]]
-            )
-        return capped
+        return subtree(tree, [v for v in range(len(tree)) if tree.depths[v] <= room])
+
+    def constrain(self, req: Request, tree: CandidateTree) -> CandidateTree:
+        """Cut the nodes a request's structured output refuses (with their subtrees): they
+        could never be emitted, so verifying them would only cost."""
+        if req.grammar is None or len(tree) == 1:
+            return tree
+        keep = req.grammar.valid_nodes(tree.tokens, tree.parents)
+        return tree if len(keep) == len(tree) else subtree(tree, keep)
 
     def after_iteration(
         self,

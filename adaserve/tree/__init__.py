@@ -10,6 +10,7 @@ from adaserve.tree.candidate import (
     beam_search_step,
     expand_step,
     merge_trees,
+    subtree,
     top_chain,
 )
 from adaserve.tree.layout import (
@@ -51,6 +52,7 @@ __all__ = [
     "required_accepts",
     "select_all",
     "slo_customized_select",
+    "subtree",
     "target_probs",
     "throughput_optimized_select",
     "tree_attention_mask",

@@ -121,6 +121,17 @@ def expand_step(logprobs: Tensor, num_children: int) -> tuple[Tensor, Tensor]:
     return token, token_logprob
 
 
+def subtree(tree: CandidateTree, keep: Sequence[int]) -> CandidateTree:
+    """The nodes `keep` (sorted, root included, each node's parent kept too), re-indexed."""
+    kept = CandidateTree.root(tree.tokens[0])
+    new_id = {0: 0}
+    for v in keep[1:]:
+        (new_id[v],) = kept.add_nodes(
+            [new_id[tree.parents[v]]], [tree.tokens[v]], [tree.logprobs[v]]
+        )
+    return kept
+
+
 def top_chain(tree: CandidateTree) -> CandidateTree:
     """The single path that follows the most probable child from the root down."""
     kids = tree.children()

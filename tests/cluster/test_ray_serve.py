@@ -138,6 +138,23 @@ def test_bad_input_gets_the_single_servers_400(cluster, tiny_llama):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_structured_output_through_the_cluster(cluster, tiny_llama):
+    """A replica compiles the constraint: a bad one is the single server's 400, a good one
+    holds the output (the tiny word tokenizer spells "t5t6" as tokens 5 and 6)."""
+    r = httpx.post(
+        f"{cluster}/v1/completions",
+        json={"prompt": "t5 t6", "max_tokens": 8, "guided_regex": "(t5"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "guided_regex", r.text
+    r = httpx.post(
+        f"{cluster}/v1/completions",
+        json={"prompt": "t5 t6", "max_tokens": 8, "guided_choice": ["t5t6", "t9"]},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("t5 t6", "t9"), r.text
+
+
 def test_tokenize_and_the_model_label_through_the_cluster(cluster, tiny_llama):
     r = httpx.post(f"{cluster}/tokenize", json={"prompt": "t5 t6 t7"}, timeout=30)
     assert r.status_code == 200 and r.json()["tokens"] == [5, 6, 7], r.text
