@@ -18,7 +18,9 @@ def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(
     # times: on a noisy CI machine it turned drafting off for the whole run. These flags keep
     # control exploring and probing every iteration, so what is tested is the path from the
     # suffix index to accepted tokens, not the machine's timing (control has its own tests).
-    steady = ["--explore-observations", "100000", "--explore-budget", "1"]
+    # The budget too: a start-up profile measured while other tests load the machine gave
+    # B = 1, where one request's root fills the budget and nothing is ever drafted.
+    steady = ["--explore-observations", "100000", "--explore-budget", "1", "--budget", "16"]
     steady += ["--probe-interval-min", "1", "--probe-interval-max", "1"]
     with serve_subprocess(str(tiny_llama), "--record-acceptance", str(log), *steady) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()

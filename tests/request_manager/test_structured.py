@@ -253,7 +253,7 @@ def test_json_on_ggml_is_the_same_with_and_without_speculation() -> None:
     for out in want:
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), SCHEMA)
-    for kw in (dict(policy="adaserve", drafter="suffix"), dict(policy="sequence")):
+    for kw in (dict(policy="adaserve", drafter="suffix"),):
         got = texts(**kw)
         assert [o.token_ids for o in got] == [o.token_ids for o in want], f"{kw} differs"
 
