@@ -557,7 +557,8 @@ class AsyncEngine(StreamBook):
         sched = self.engine.scheduler
         alloc = self.engine.engine.target.cache.allocator
         self.metrics.set_engine_state(
-            len(sched.running),
+            # As vLLM counts them: a prompt being prefilled in chunks is in the batch too.
+            len(sched.running) + len(sched.prefilling),
             len(sched.waiting),
             alloc.num_used,
             alloc.num_blocks,

@@ -214,7 +214,9 @@ class ServerMetrics:
         self.decode_s = self._phase("decode", "First to last output token")
         # Engine state, sampled after every iteration.
         self.running = Gauge(
-            "adaserve_num_requests_running", "Requests in the running batch", registry=r
+            "adaserve_num_requests_running",
+            "Requests in the batch: decoding, or prefilling their prompt in chunks",
+            registry=r,
         )
         self.waiting = Gauge(
             "adaserve_num_requests_waiting", "Requests queued, not yet running", registry=r

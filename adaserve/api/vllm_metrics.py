@@ -37,7 +37,7 @@ class VllmMetrics:
         self.model_name, self.aliases = model_name, aliases
         self.running = Gauge(
             "vllm:num_requests_running",
-            "Requests in the running batch (adaserve_num_requests_running)",
+            "Requests in the batch, decoding or prefilling (adaserve_num_requests_running)",
             model,
             registry=r,
         ).labels(model_name)

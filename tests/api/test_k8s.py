@@ -135,6 +135,26 @@ def test_vllm_gauges_follow_the_engine_state(tiny_llama) -> None:
         )
 
 
+def test_a_prompt_being_prefilled_counts_as_running(tiny_llama) -> None:
+    """vLLM counts a request whose prompt is still being prefilled in chunks as running (it
+    holds its KV and rides in every forward); so does adaserve."""
+    engine = make_engine(tiny_llama, max_prefill_chunk=4, max_num_batched_tokens=4)
+    gate = StepGate(engine)
+    app = build_app(engine, ServerConfig(admission="queue", served_model_name=MODEL))
+    prompt = " ".join(f"t{5 + i % 40}" for i in range(24))  # 24 tokens: six 4-token chunks
+    with ThreadServer(app) as srv, ThreadPoolExecutor(1) as pool:
+        try:
+            done = pool.submit(complete, srv.url, prompt=prompt, max_tokens=2)
+            wait_for(lambda: gate.arrived == 1, 10, "the request reaching the engine")
+            gate.step_once()  # admitted, its first chunk prefilled: no token yet
+            g = gauges(srv.url)
+            assert engine.scheduler.prefilling and not engine.scheduler.running, "not prefilling"
+            assert (g["running"], g["vllm_running"], g["waiting"]) == (1, 1, 0), g
+        finally:
+            gate.run_free()
+        assert done.result().status_code == 200, done.result().text
+
+
 # ---------------------------------------------------------------------------- SLO headers
 @pytest.fixture(scope="module")
 def slo_server(tiny_llama) -> Iterator[ThreadServer]:
