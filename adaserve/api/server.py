@@ -48,7 +48,7 @@ from adaserve.api.protocol import (
     ModelCard,
     ModelList,
 )
-from adaserve.api.serving import REQUEST_ID_HEADER, OpenAIServing
+from adaserve.api.serving import REQUEST_ID_HEADER, SLO_HEADERS, OpenAIServing
 from adaserve.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -294,6 +294,17 @@ def describe_api(app: FastAPI) -> None:
             content = {"application/json": {"schema": ref(response)}}
             if streams:
                 content["text/event-stream"] = {"schema": {"type": "string"}}
+                op["parameters"] = [
+                    {
+                        "name": header,
+                        "in": "header",
+                        "required": False,
+                        "schema": {"type": "number", "exclusiveMinimum": 0},
+                        "description": f"adaserve: {field} as a header (the body field wins), "
+                        "for gateways that set SLOs per route or tenant",
+                    }
+                    for header, field in SLO_HEADERS.items()
+                ]
             op["responses"] = {
                 "200": {
                     "description": "the answer; with `stream: true` server-sent events of "

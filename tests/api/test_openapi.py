@@ -39,6 +39,8 @@ def test_the_openapi_document_lists_the_request_bodies(server) -> None:
         props = doc["components"]["schemas"][model]["properties"]
         assert "slo_tpot_ms" in props and "description" in props["slo_tpot_ms"], props.keys()
         assert {"400", "429", "503"} <= set(doc["paths"][path]["post"]["responses"])
+        headers = {p["name"] for p in doc["paths"][path]["post"]["parameters"]}
+        assert headers == {"x-slo-tpot-ms", "x-slo-ttft-ms"}, f"SLO headers undocumented: {headers}"
     assert "prompt" in doc["components"]["schemas"]["CompletionRequest"]["required"]
     assert "messages" in doc["components"]["schemas"]["ChatCompletionRequest"]["required"]
 
