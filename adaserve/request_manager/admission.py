@@ -11,8 +11,14 @@ from collections.abc import Callable, Sequence
 
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.cost_model import ForwardCostModel
-from adaserve.request_manager.prefill import forced_chunk
+from adaserve.request_manager.prefill import (
+    OVERTAKE_S,
+    forced_chunk,
+    prefill_deadline,
+    prefill_target,
+)
 from adaserve.request_manager.request import Request
+from adaserve.request_manager.slo import ttft_objective_ms
 from adaserve.request_manager.stats import IterationStats
 
 # (running, prefilling, waiting): the scheduler's queues as they stand.
@@ -43,6 +49,10 @@ class Admission:
         self.host_s = 0.0
         self._host_samples = 0
         self.busy_until: float | None = None  # end of the last iteration, while work remains
+        # Prompt tokens per second the prefill backlog recently drained at (EMA over the
+        # iterations that had prompts to prefill; None before the first): below the speed of
+        # a prompt alone while streams' SLOs keep the chunks small.
+        self.prefill_rate: float | None = None
 
     # ------------------------------------------------------------------ predictions
     def iteration_s(
@@ -94,13 +104,75 @@ class Admission:
                 iteration = max(iteration, self.decode_period_s * after / now)
         return iteration / self.tokens_per_request
 
-    def refusal(self, slo_tpot_ms: float | None) -> str | None:
-        """Why a request with this TPOT SLO should be refused now, or None to admit it.
+    def ttft_objective_ms(self, prompt_tokens: int, slo_ttft_ms: float | None) -> float | None:
+        """A request's TTFT objective: its slo_ttft_ms, else the default from the time its
+        prompt takes to prefill alone here (`slo.ttft_objective_ms`); None without a cost
+        model."""
+        if slo_ttft_ms is not None:
+            return slo_ttft_ms
+        if self.cost is None:
+            return None
+        n = prompt_tokens
+        alone_s = self.cost.predict(n, 0, n, n * (n + 1) // 2)
+        return ttft_objective_ms(
+            1000.0 * alone_s, self.cfg.default_ttft_factor, self.cfg.default_ttft_floor_ms
+        )
+
+    def predicted_ttft_s(self, prompt_tokens: int, objective_s: float) -> float | None:
+        """Seconds until the first token of a request with this prompt admitted now, whose
+        first token is due in `objective_s`: the prompts prefilled before it (earlier TTFT
+        deadlines, as `prefill.prefill_order` takes them) and its own, at the slower of the
+        speed of prompts alone and the rate the backlog recently drained. None without a cost
+        model."""
+        if self.cost is None:
+            return None
+        running, prefilling, waiting = self.queues()
+        due = self.clock() + objective_s + OVERTAKE_S
+        ahead = sum(
+            prefill_target(r) - r.num_cached
+            for r in (*prefilling, *waiting)
+            if prefill_deadline(r) <= due
+        )
+        n = prompt_tokens
+        alone_rate = n / max(self.cost.predict(n, 0, n, n * (n + 1) // 2), 1e-9)
+        rate = alone_rate
+        if self.prefill_rate is not None and (running or prefilling or waiting):
+            rate = min(rate, self.prefill_rate)
+        return (ahead + n) / rate + self.host_s
+
+    def refusal(
+        self,
+        slo_tpot_ms: float | None,
+        prompt_tokens: int | None = None,
+        slo_ttft_ms: float | None = None,
+    ) -> str | None:
+        """Why a request with this TPOT SLO (and prompt) should be refused now, or None to
+        admit it.
 
         Refused when the predicted TPOT with it admitted exceeds `slo_headroom` of its own
         SLO, or of the tightest SLO among the requests already admitted: a lenient request
         that would push the others past theirs is refused too, so admitted requests keep
-        their SLOs."""
+        their SLOs. Given its prompt's length, also refused when its first token would come
+        after its TTFT objective (slo_ttft_ms, else the default one): queued for tens of
+        seconds it is lost to its user whatever its TPOT, and its prefill would be paid by
+        the requests behind it."""
+        why = self._tpot_refusal(slo_tpot_ms)
+        if why is not None or prompt_tokens is None:
+            return why
+        objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
+        if objective_ms is None:
+            return None
+        ttft = self.predicted_ttft_s(prompt_tokens, objective_ms / 1000.0)
+        if ttft is not None and 1000.0 * ttft > objective_ms:
+            named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
+            return (
+                f"the first token would come after about {ttft:.1f} s at the current load, "
+                f"past this request's time-to-first-token objective of "
+                f"{objective_ms / 1000.0:.1f} s ({named}); retry later"
+            )
+        return None
+
+    def _tpot_refusal(self, slo_tpot_ms: float | None) -> str | None:
         tpot = self.predicted_tpot_s()
         if tpot is None:
             return None
@@ -134,6 +206,12 @@ class Admission:
             rate = max(self.cfg.host_ema, 1.0 / (self._host_samples + 1))  # the mean at first
             self.host_s += rate * (stats.host_s - self.host_s)
             self._host_samples += 1
+        _, prefilling, _ = self.queues()
+        if gap_s is not None and (stats.prefill_tokens or prefilling):
+            # A backlog was there for this whole period: how fast it drained.
+            rate = stats.prefill_tokens / max(stats.total_s + gap_s, 1e-9)
+            last = self.prefill_rate
+            self.prefill_rate = rate if last is None else last + a * (rate - last)
         if not num_decoding:
             return
         per = (stats.emitted_tokens - stats.prefill_requests) / num_decoding

@@ -32,7 +32,6 @@ from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.prefill import chunk_tokens, prefill_order, prefill_target
 from adaserve.request_manager.request import Request, RequestStatus
-from adaserve.request_manager.slo import ttft_objective_ms
 from adaserve.request_manager.speculation import TreePlan, TreePlanner
 from adaserve.request_manager.stats import IterationStats
 from adaserve.request_manager.timeline import IterationTimeline
@@ -127,11 +126,9 @@ class Scheduler:
             raise ValueError(
                 f"logit_bias has token ids outside the vocabulary [0, {self.engine.vocab_size})"
             )
-        if req.ttft_objective_ms is None and self.cost is not None:
-            n = len(req.prompt_token_ids)
-            alone_s = self.cost.predict(n, 0, n, n * (n + 1) // 2)
-            req.ttft_objective_ms = ttft_objective_ms(
-                1000.0 * alone_s, self.cfg.default_ttft_factor, self.cfg.default_ttft_floor_ms
+        if req.ttft_objective_ms is None:
+            req.ttft_objective_ms = self.admission.ttft_objective_ms(
+                len(req.prompt_token_ids), None
             )
         self.waiting.append(req)
 

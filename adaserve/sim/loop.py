@@ -207,7 +207,7 @@ def _route(
     tries = ranked if setup.router == "slo" else ranked[:1]
     why = None
     for k in tries:
-        why = reps[k].sched.admission.refusal(b.slo_tpot_ms)
+        why = reps[k].sched.admission.refusal(b.slo_tpot_ms, _prompt_len(reps[k].sched, b))
         if why is None:
             return k, None
     return None, why
@@ -248,10 +248,14 @@ def _iterate(
     return sum(1 for r in changed if r.finished)
 
 
-def _add(sched: Scheduler, b: BenchRequest, i: int, rng: random.Random) -> Request:
+def _prompt_len(sched: Scheduler, b: BenchRequest) -> int:
     # The trace gives prompt text in another tokenizer: its length in words stands in.
     n = max(1, b.trace.input_length or len(b.trace.prompt.split()))
-    n = min(n, sched.engine.max_model_len - b.max_tokens - 1)
+    return max(1, min(n, sched.engine.max_model_len - b.max_tokens - 1))
+
+
+def _add(sched: Scheduler, b: BenchRequest, i: int, rng: random.Random) -> Request:
+    n = _prompt_len(sched, b)
     params = SamplingParams(
         max_tokens=b.max_tokens, temperature=0.0, ignore_eos=True, slo_tpot_ms=b.slo_tpot_ms
     )

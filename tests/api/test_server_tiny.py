@@ -422,3 +422,36 @@ def test_slo_admission_is_not_fooled_by_a_prompt_that_yields_to_the_slos(tiny_ll
         engine.step()
     assert engine.scheduler.last_stats.prefill_tokens == 100, "big chunks while nobody is tight"
     assert engine.admission.refusal(50) is None, "the chunks would yield to a 50 ms stream"
+
+
+def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(tiny_llama) -> None:
+    """Behind a backlog of prompts due before it, a new request's first token would come
+    seconds past its objective: refused now (429), not queued; one whose objective leaves
+    room, or that arrives once the backlog has drained, is admitted."""
+    from tests.virtual_time import slow_forwards
+
+    # Forwards cost 10 ms + 2 ms per token: a 400-token prompt alone takes ~0.8 s, so its
+    # default objective is 1 s + 4 x 0.8 s. Twelve of them queued are ~10 s of prefill, all
+    # due before a thirteenth that arrives later (prompts are prefilled in deadline order).
+    engine = slow_forwards(
+        make_engine(tiny_llama, max_num_seqs=16, max_num_batched_tokens=256),
+        lambda n: 0.01 + 0.002 * n,
+    )
+    document = " ".join(["t6"] * 400)
+    assert engine.admission.refusal(None, 400) is None, "an idle server serves it at once"
+    for _ in range(12):
+        engine.add_request(" ".join(["t5"] * 400), SamplingParams(max_tokens=2))
+    for _ in range(2):
+        engine.step()
+    why = engine.admission.refusal(None, 400)
+    assert why is not None and "time-to-first-token objective of 4.2 s" in why, why
+    assert engine.admission.refusal(None, 400, slo_ttft_ms=60_000) is None, "room in 60 s"
+    # The server asks with each request's prompt length and TTFT SLO (the engine thread runs
+    # freely on the virtual clock here, so the backlog drains before the request arrives).
+    asked = []
+    refusal = engine.admission.refusal
+    engine.admission.refusal = lambda *a: asked.append(a) or refusal(*a)
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        r = complete(srv.url, prompt=document, max_tokens=2, slo_ttft_ms=9000)
+        assert r.status_code == 200, r.text
+    assert asked == [(None, 400, 9000)], asked
