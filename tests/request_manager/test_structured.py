@@ -66,17 +66,6 @@ def accepts(compiler: GrammarCompiler, so: StructuredOutput, tokens: list[int]) 
     return all(m.accept_token(t) for t in tokens)
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("structured")
-    target = make_tiny_checkpoint(d / "target", seed=0)
-    return {
-        "target": target,
-        "copy": target,
-        "random": make_tiny_checkpoint(d / "draft", seed=1, num_layers=1),
-    }
-
-
 def test_tree_masks_are_the_grammar_after_each_nodes_own_path(default_model_dir) -> None:
     tok = AutoTokenizer.from_pretrained(default_model_dir)
     compiler = GrammarCompiler(tok, 49152, [tok.eos_token_id])
@@ -110,8 +99,8 @@ def test_tree_masks_are_the_grammar_after_each_nodes_own_path(default_model_dir)
     assert grammar.matcher.accept_token(ris), "walking the tree moved the request's position"
 
 
-def test_refused_drafts_are_cut_with_their_subtrees(tiny) -> None:
-    engine = make_engine(tiny["target"], tiny["random"], "global_greedy")
+def test_refused_drafts_are_cut_with_their_subtrees(pair) -> None:
+    engine = make_engine(pair["target"], pair["random"], "global_greedy")
     req = engine.add_request([5, 6], SamplingParams(max_tokens=4, structured_output=RUN))
     tree = CandidateTree.root(6)
     ok, bad = tree.add_nodes([0, 0], [7, 30], [-0.1, -0.1])
@@ -125,12 +114,12 @@ def test_refused_drafts_are_cut_with_their_subtrees(tiny) -> None:
 
 @pytest.mark.parametrize("policy", ["global_greedy", "adaserve_paper", "sequence"])
 @pytest.mark.parametrize("draft", ["copy", "random"])
-def test_greedy_constrained_output_equals_the_constrained_target(tiny, policy, draft) -> None:
+def test_greedy_constrained_output_equals_the_constrained_target(pair, policy, draft) -> None:
     prompts = [[5, 6, 7, 8], [9, 10], [11] * 20, [40, 41, 42]]
     max_tokens = 24
     params = [SamplingParams(max_tokens=max_tokens, temperature=0.0, structured_output=RUN)] * 4
-    want = constrained_reference(tiny["target"], prompts, RUN, max_tokens)
-    engine = make_engine(tiny["target"], tiny[draft], policy)
+    want = constrained_reference(pair["target"], prompts, RUN, max_tokens)
+    engine = make_engine(pair["target"], pair[draft], policy)
     compiler = engine.grammars
     verified = 0
     engine_run = engine.engine.run
@@ -258,8 +247,8 @@ def test_json_on_ggml_is_the_same_with_and_without_speculation() -> None:
         assert [o.token_ids for o in got] == [o.token_ids for o in want], f"{kw} differs"
 
 
-def test_a_bad_constraint_or_combination_is_refused_with_its_reason(tiny) -> None:
-    engine = make_engine(tiny["target"], None, "incremental")
+def test_a_bad_constraint_or_combination_is_refused_with_its_reason(pair) -> None:
+    engine = make_engine(pair["target"], None, "incremental")
     with pytest.raises(ValueError, match="invalid regex"):
         engine.add_request([5], SamplingParams(structured_output=StructuredOutput.regex("(t5")))
     with pytest.raises(ValueError, match="invalid json schema"):
@@ -273,8 +262,8 @@ def test_a_bad_constraint_or_combination_is_refused_with_its_reason(tiny) -> Non
     assert not engine.has_unfinished(), "a refused request was queued"
 
 
-def test_a_choice_ends_with_one_of_its_strings(tiny) -> None:
-    engine = make_engine(tiny["target"], tiny["copy"], "global_greedy")
+def test_a_choice_ends_with_one_of_its_strings(pair) -> None:
+    engine = make_engine(pair["target"], pair["copy"], "global_greedy")
     # The word tokenizer's tokens have no spaces: "t5t6" is tokens 5, 6.
     choice = StructuredOutput.choice(["t5t6", "t7"])
     params = [
