@@ -242,7 +242,8 @@ class SchedulerConfig:
     # file: the iteration timeline (request_manager/timeline.py).
     record_iterations: str | None = None
     # Admission (request_manager/admission.py). --admission slo admits a request while the
-    # predicted TPOT is within slo_headroom of the SLO: at 10x the sustainable rate on the
+    # predicted TPOT is within slo_headroom of the SLO (and its predicted first token within
+    # slo_headroom of its TTFT objective): at 10x the sustainable rate on the
     # development machine, admitted 120 ms requests ran 1-25% slower than predicted
     # (docs/results.md, "Overload"). Weights of the newest iteration in the moving averages
     # of the decode period and forward tokens per request, of tokens emitted per request,

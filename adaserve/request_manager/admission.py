@@ -153,9 +153,10 @@ class Admission:
         SLO, or of the tightest SLO among the requests already admitted: a lenient request
         that would push the others past theirs is refused too, so admitted requests keep
         their SLOs. Given its prompt's length, also refused when its first token would come
-        after its TTFT objective (slo_ttft_ms, else the default one): queued for tens of
-        seconds it is lost to its user whatever its TPOT, and its prefill would be paid by
-        the requests behind it."""
+        after `slo_headroom` of its TTFT objective (slo_ttft_ms, else the default one): queued
+        for tens of seconds it is lost to its user whatever its TPOT, and its prefill would be
+        paid by the requests behind it. The same headroom as for TPOT: both predictions miss
+        what arrives after them (a prompt due sooner overtakes this one)."""
         why = self._tpot_refusal(slo_tpot_ms)
         if why is not None or prompt_tokens is None:
             return why
@@ -163,7 +164,7 @@ class Admission:
         if objective_ms is None:
             return None
         ttft = self.predicted_ttft_s(prompt_tokens, objective_ms / 1000.0)
-        if ttft is not None and 1000.0 * ttft > objective_ms:
+        if ttft is not None and 1000.0 * ttft > self.cfg.slo_headroom * objective_ms:
             named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
             return (
                 f"the first token would come after about {ttft:.1f} s at the current load, "
