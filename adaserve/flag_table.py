@@ -198,7 +198,7 @@ FIELD_HELP: dict[str, str] = {
     "predicted and measured forward time, host time, streams behind their pace) to this JSONL "
     "file; plot it with python -m adaserve.bench.timeline FILE",
     "slo_headroom": "--admission slo admits while the predicted TPOT is within this share of "
-    "the SLO",
+    "the SLO and the predicted first token within this share of its TTFT objective",
     "admission_ema": "weight of the newest iteration in admission's decode-period average",
     "tokens_per_request_ema": "weight of the newest iteration in tokens emitted per request",
     "host_ema": "weight of the newest iteration in host time per iteration",
