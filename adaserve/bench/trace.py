@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REQUIRED_FIELDS = ("emission_time_ms", "prompt", "output_length", "slo_ratio")
@@ -66,13 +66,15 @@ class TraceOptions:
     output_length: int | None = None  # cap every request's output_length
     baseline_latency_ms: float | None = None  # converts slo_ratio > 0 into milliseconds
     slo_scale: float = 1.0  # multiplies absolute (slo_ratio < 0) SLOs
+    # Play the trace this many times back to back (a trace too short for many replicas).
+    repeat: int = 1
 
     def __post_init__(self) -> None:
         for name in ("rps", "duration_s", "baseline_latency_ms"):
             value = getattr(self, name)
             if value is not None and not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be a finite number > 0, got {value}")
-        for name in ("max_requests", "output_length"):
+        for name in ("max_requests", "output_length", "repeat"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
@@ -166,6 +168,21 @@ def resolve_slo_ms(req: TraceRequest, opts: TraceOptions) -> float | None:
     return None
 
 
+def tile(trace: Sequence[TraceRequest], repeat: int) -> list[TraceRequest]:
+    """The trace (sorted) played `repeat` times back to back: copy k starts one mean gap
+    after copy k - 1 ends, and its requests are indexed after all of copy k - 1's."""
+    if repeat == 1 or not trace:
+        return list(trace)
+    first, last = trace[0].emission_time_ms, trace[-1].emission_time_ms
+    gap = (last - first) / (len(trace) - 1) if len(trace) > 1 else 1.0
+    period, n = last - first + gap, len(trace)
+    return [
+        replace(r, index=k * n + r.index, emission_time_ms=r.emission_time_ms + k * period)
+        for k in range(repeat)
+        for r in trace
+    ]
+
+
 def prepare(trace: Sequence[TraceRequest], opts: TraceOptions) -> list[BenchRequest]:
     """The requests to replay, in send order.
 
@@ -173,7 +190,8 @@ def prepare(trace: Sequence[TraceRequest], opts: TraceOptions) -> list[BenchRequ
     rescaled to `rps` (so what is replayed has that mean rate, not just the whole trace),
     then requests at or after `duration_s` on the replay clock are dropped.
     """
-    reqs = sorted(trace, key=lambda r: r.emission_time_ms)[: opts.max_requests]
+    reqs = tile(sorted(trace, key=lambda r: r.emission_time_ms), opts.repeat)
+    reqs = reqs[: opts.max_requests]
     times = [r.emission_time_ms / 1000.0 for r in reqs]
     if opts.rps is not None:
         times = rescale_rps(times, opts.rps)
@@ -193,7 +211,9 @@ def prepare(trace: Sequence[TraceRequest], opts: TraceOptions) -> list[BenchRequ
 def describe_options(opts: TraceOptions, trace: Sequence[TraceRequest]) -> list[str]:
     """Sentences stating how the replayed workload differs from the trace (go into the result)."""
     notes = []
-    kept = sorted(r.emission_time_ms for r in trace)[: opts.max_requests]
+    kept = sorted(r.emission_time_ms for r in tile(trace, opts.repeat))[: opts.max_requests]
+    if opts.repeat > 1:
+        notes.append(f"the trace played {opts.repeat} times back to back (--repeat)")
     native = mean_rate([t / 1000.0 for t in kept])
     if opts.rps is not None:
         was = "n/a" if native is None else f"{native:.3g}"

@@ -59,6 +59,13 @@ def add_workload_arguments(p: argparse.ArgumentParser, simulated: bool = False) 
         "replay per rate (default: the trace's own rate)",
     )
     p.add_argument("--duration", type=float, default=None, help="replay only the first S seconds")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="play the trace N times back to back (before --max-requests and --rps), for "
+        "more requests than it holds, e.g. many simulated replicas",
+    )
     p.add_argument("--max-requests", type=int, default=None, help="replay at most N requests")
     p.add_argument(
         "--output-length", type=int, default=None, help="cap every request's max_tokens at L"
@@ -130,6 +137,7 @@ def trace_options(args: argparse.Namespace, rps: float | None) -> TraceOptions:
         output_length=args.output_length,
         baseline_latency_ms=baseline_from_args(args),
         slo_scale=args.slo_scale,
+        repeat=args.repeat,
     )
 
 

@@ -126,15 +126,44 @@ def test_every_shrinking_option_is_stated() -> None:
         output_length=8,
         baseline_latency_ms=40.0,
         slo_scale=3.0,
+        repeat=2,
     )
     text = " ".join(describe_options(opts, parse_trace(TRACE)))
-    for flag in ("--rps", "--duration", "--max-requests", "--output-length", "--slo-scale"):
+    for flag in (
+        "--rps",
+        "--duration",
+        "--max-requests",
+        "--output-length",
+        "--slo-scale",
+        "--repeat",
+    ):
         assert flag in text, f"{flag} is not reported: {text}"
     assert "40 ms" in text, "the baseline used for relative SLOs is not reported"
 
 
+def test_repeat_plays_the_trace_back_to_back() -> None:
+    reqs = parse_trace(TRACE)  # sends at 0, 0.5, 1, 4 s: span 4 s, mean gap 4 / 3 s
+    out = prepare(reqs, TraceOptions(repeat=3, baseline_latency_ms=10.0))
+    times = [r.send_time_s for r in out]
+    period = 4.0 + 4.0 / 3
+    assert len(out) == 12 and times == sorted(times), times
+    assert times[4:8] == pytest.approx([t + period for t in times[:4]]), "copy 2 is copy 1 later"
+    assert [r.trace.index for r in out] == list(range(12)), "every copy's requests their own index"
+    assert [r.slo_tpot_ms for r in out[8:]] == [r.slo_tpot_ms for r in out[:4]]
+    # Then the other options as before: the first 6 of the tiled trace, at 2 rps.
+    out = prepare(reqs, TraceOptions(repeat=3, max_requests=6, rps=2.0, baseline_latency_ms=10))
+    assert len(out) == 6 and mean_rate([r.send_time_s for r in out]) == pytest.approx(2.0)
+
+
 @pytest.mark.parametrize(
-    "kw", [{"rps": 0.0}, {"slo_scale": -1.0}, {"max_requests": 0}, {"duration_s": float("inf")}]
+    "kw",
+    [
+        {"rps": 0.0},
+        {"slo_scale": -1.0},
+        {"max_requests": 0},
+        {"duration_s": float("inf")},
+        {"repeat": 0},
+    ],
 )
 def test_bad_options_are_refused(kw: dict) -> None:
     with pytest.raises(ValueError, match="must be"):
