@@ -48,8 +48,11 @@ class ModelConfig:
     # "ggml" (a GGUF model in its own quantization on llama.cpp, CPU; the `cpu` extra), or
     # "auto": ggml for a GGUF model on the CPU when llama-cpp-python is installed, else torch.
     backend: str = "auto"
-    # Replay draft steps 2..d from CUDA graphs where the attention backend allows (FlashInfer).
+    # Replay forwards from CUDA graphs where the attention backend allows (FlashInfer): the
+    # target's and a draft model's forwards of up to cuda_graph_max_tokens tokens (draft
+    # steps included). False: every forward eager (vLLM's --enforce-eager).
     cuda_graphs: bool = True
+    cuda_graph_max_tokens: int = 256
     # Seed for requests that give none, so runs repeat.
     seed: int = 0
     # CPU threads of the forwards (torch and llama.cpp); None: every core this process may use.
@@ -71,6 +74,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         self._check_source()
+        if self.cuda_graph_max_tokens < 1:
+            raise ValueError(
+                f"cuda_graph_max_tokens must be >= 1, got {self.cuda_graph_max_tokens}"
+            )
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1 or None, got {self.threads}")
         if self.dtype not in DTYPES:
@@ -221,14 +228,14 @@ class SchedulerConfig:
     probe_interval_max: int = 256
     # The controller's score R: weight of the newest drafting iteration in its moving
     # average, and iterations scored before the first on/off decision (cold start trusts the
-    # prior). Until explore_observations depth-1 nodes were verified, trees keep their most
-    # probable nodes beyond what the prior says pays, as many as add at most explore_cost of
-    # a plain forward's time, and at least one (calibration must first see what the drafter is
-    # worth; on llama.cpp a 16-node tree cost 8x a decode and exploring whole trees lost
-    # 40% on a new prompt); later one node when nothing pays. Exploring may cost, net of the
-    # tokens it gets accepted, explore_budget of the plain forward time. A forward is padded
-    # only when predicted pad_min_saving cheaper, and every pad_explore_every-th time it runs
-    # unpadded anyway, to keep measuring the exact size.
+    # prior). Until explore_observations depth-1 nodes were verified, nothing is verified on
+    # the prior's word alone: trees keep their most probable nodes, as many as add at most
+    # explore_cost of a plain forward's time, and at least one (calibration must first see
+    # what the drafter is worth; on llama.cpp a 16-node tree cost 8x a decode and exploring
+    # whole trees lost 40% on a new prompt); later one node when nothing pays. Exploring may
+    # cost, net of the tokens it gets accepted, explore_budget of the plain forward time. A
+    # forward is padded only when predicted pad_min_saving cheaper, and every
+    # pad_explore_every-th time it runs unpadded anyway, to keep measuring the exact size.
     control_score_ema: float = 0.3
     control_min_scored: int = 3
     explore_observations: int = 16

@@ -131,7 +131,11 @@ FIELD_HELP: dict[str, str] = {
     "backend": "who runs the target: ggml = a GGUF model in its own quantization on llama.cpp "
     "(CPU, `pip install adaserve[cpu]`), torch = this package's model code; auto = ggml for a "
     "GGUF model on the CPU when llama-cpp-python is installed",
-    "cuda_graphs": "replay draft steps from CUDA graphs where the attention backend allows",
+    "cuda_graphs": "replay forwards of up to --cuda-graph-max-tokens tokens and draft steps "
+    "from CUDA graphs where the attention backend allows (FlashInfer); --no-cuda-graphs runs "
+    "every forward eagerly, like vLLM's --enforce-eager",
+    "cuda_graph_max_tokens": "the largest forward (tokens) replayed from a CUDA graph; larger "
+    "ones (prompt chunks) run eagerly",
     "seed": "seed of requests that give none",
     "threads": "CPU threads of the forwards, torch and llama.cpp (default: every core this "
     "process may use; with --replicas N, the cores split among the replicas)",

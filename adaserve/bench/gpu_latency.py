@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from adaserve.config import SchedulerConfig
+from adaserve.config import ModelConfig, SchedulerConfig
 from adaserve.exec.batch import SequenceBatchBuilder
-from adaserve.exec.cuda_graph import DraftGraphRunner
+from adaserve.exec.cuda_graph import DraftGraphRunner, ForwardGraphRunner
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
 from adaserve.exec.timing import time_forward
@@ -102,6 +102,7 @@ TINY = replace(
 )
 
 DRAFT_REQUESTS = (1, 8, 32)
+GRAPH_TOKENS = ModelConfig.cuda_graph_max_tokens  # forwards the engine replays from graphs
 DRAFT_WIDTH = 4  # SchedulerConfig.max_width
 E2E_POLICIES = ("incremental", "sequence", "adaserve")
 
@@ -207,6 +208,17 @@ def target_section(
     bw = copy_bandwidth(device) if device.type == "cuda" else float("nan")
     wbytes = weight_bytes(runner.model)
     roofline_ms = 1000.0 * wbytes / bw
+    graph: dict[int, float] = {}
+    if runner.backend.supports_cuda_graphs():  # what the engine replays: forwards <= GRAPH_TOKENS
+        runner.graphs = ForwardGraphRunner(
+            runner, GRAPH_TOKENS, GRAPH_TOKENS, BUDGET_CONTEXT + GRAPH_TOKENS
+        )
+        for t in counts:
+            m = time_forward(runner, t, BUDGET_CONTEXT, repeats) if t <= GRAPH_TOKENS else None
+            if m is not None:
+                graph[t] = m
+        runner.graphs.close()
+        runner.graphs = None
     budget = derive_budget(latency, DEFAULT_BUDGET_FACTOR)
     at_b = _interp(latency, budget)
     out = {
@@ -217,6 +229,7 @@ def target_section(
         "copy_bandwidth_bytes_per_s": bw,
         "roofline_ms": roofline_ms,
         "latency_ms": latency,
+        "graph_latency_ms": graph,
         "budget": budget,
         "ratio_at_1": latency[1] / roofline_ms,
         "ratio_at_budget": at_b / roofline_ms,
@@ -265,20 +278,37 @@ def e2e_section(dtype: str, device: str, concurrency: Sequence[int], max_tokens:
     from adaserve import LLMEngine
     from adaserve.bench.policies import run
     from adaserve.bench.prompts import prompts
-    from adaserve.config import CacheConfig, ModelConfig
+    from adaserve.config import CacheConfig
 
     slos = [150.0, 400.0, None]
     rows = []
     for policy in E2E_POLICIES:
-        engine = LLMEngine(
-            ModelConfig(dtype=dtype, device=device),
-            CacheConfig(),
-            SchedulerConfig(policy=policy, max_num_seqs=max(concurrency)),
-        )
-        run(engine, prompts(2), 4, slos)  # warm-up
-        for c in concurrency:
-            result = run(engine, prompts(c), max_tokens, slos)
-            rows.append({"policy": policy, "concurrent": c, **asdict(result)})
+        for graphs in (False, True):
+            engine = LLMEngine(
+                # The draft model alone: the suffix drafter ("auto" adds it) would find the
+                # warm-up's answers in its index.
+                ModelConfig(dtype=dtype, device=device, cuda_graphs=graphs, drafter="model"),
+                # The warm-up's prompts are the measured ones: no prefix cache to skip them.
+                CacheConfig(enable_prefix_caching=False),
+                SchedulerConfig(policy=policy, max_num_seqs=max(concurrency)),
+            )
+            for c in concurrency:
+                # Warm-up at this concurrency: the batch shapes it meets get their CUDA graphs
+                # captured (once per server; a capture costs a few eager forwards).
+                run(engine, prompts(c), max_tokens, slos)
+                result = run(engine, prompts(c), max_tokens, slos)
+                target = engine.engine.target
+                graph_runner = getattr(target, "graphs", None)
+                rows.append(
+                    {
+                        "policy": policy,
+                        "graphs": graphs,
+                        "captured": graph_runner.num_graphs if graph_runner else 0,
+                        "concurrent": c,
+                        **asdict(result),
+                    }
+                )
+            del engine
     return rows
 
 
@@ -293,12 +323,14 @@ def markdown(result: dict) -> str:
             f"{t['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s (read + write), roofline "
             f"{t['roofline_ms']:.2f} ms; B = {t['budget']}; latency / roofline: "
             f"{t['ratio_at_1']:.2f} at 1 token, {t['ratio_at_budget']:.2f} at B\n",
-            "| tokens | ms | / roofline |",
-            "|---:|---:|---:|",
+            "| tokens | eager ms | / roofline | CUDA graph ms | / roofline |",
+            "|---:|---:|---:|---:|---:|",
         ]
-        lines += [
-            f"| {n} | {ms:.2f} | {ms / t['roofline_ms']:.2f} |" for n, ms in t["latency_ms"].items()
-        ]
+        roof, graph = t["roofline_ms"], t.get("graph_latency_ms", {})
+        for n, ms in t["latency_ms"].items():
+            g = graph.get(n)
+            gs = f"{g:.2f} | {g / roof:.2f}" if g else "- | -"
+            lines.append(f"| {n} | {ms:.2f} | {ms / roof:.2f} | {gs} |")
         lines.append("")
     if result.get("draft"):
         lines += [
@@ -314,13 +346,14 @@ def markdown(result: dict) -> str:
     if result.get("e2e"):
         lines += [
             f"### End to end, default model pair (budget {SchedulerConfig().budget})\n",
-            "| policy | concurrent | tok/s | accepted/iter | iter ms | draft ms | select ms "
-            "| verify ms |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
+            "| policy | CUDA graphs (captured) | concurrent | tok/s | accepted/iter | iter ms "
+            "| draft ms | select ms | verify ms |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for e in result["e2e"]:
+            g = f"yes ({e.get('captured', '?')})" if e.get("graphs", True) else "no"
             lines.append(
-                f"| {e['policy']} | {e['concurrent']} | {e['tokens_per_s']:.1f} | "
+                f"| {e['policy']} | {g} | {e['concurrent']} | {e['tokens_per_s']:.1f} | "
                 f"{e['accepted_per_iter']:.2f} | {e['iter_ms']:.1f} | {e['draft_ms']:.1f} | "
                 f"{e['select_ms']:.1f} | {e['verify_ms']:.1f} |"
             )

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from adaserve.config import CacheConfig, ModelConfig
-from adaserve.exec.cuda_graph import DraftGraphRunner
+from adaserve.exec.cuda_graph import DraftGraphRunner, ForwardGraphRunner
 from adaserve.exec.default_model import default_draft_dir, default_head_dir
 from adaserve.exec.draft_vocab import draft_vocab_ids
 from adaserve.exec.ggml import GgmlRunner, ggml_available
@@ -230,6 +230,16 @@ class ExecutionEngine:
             )
         self.max_model_len = model_cfg.max_model_len or limit
         self.vocab_size = args.vocab_size
+        for runner in (self.target, self.draft):
+            if (
+                self.cuda_graphs
+                and type(runner) is ModelRunner  # an EAGLE head or llama.cpp: eager
+                and runner.backend.supports_cuda_graphs()
+            ):
+                # A batch of S sequences holds at least S tokens: the token bound bounds both.
+                # On a draft model it replays the KV catch-up and the draft steps alike.
+                n = model_cfg.cuda_graph_max_tokens
+                runner.graphs = ForwardGraphRunner(runner, n, n, self.max_model_len + n)
 
     def run(self, plan: PlanToRun) -> ForwardOutput:
         """Run one iteration's plan: the target forward (and the draft's prompt catch-up)."""
@@ -247,6 +257,7 @@ class ExecutionEngine:
             not isinstance(d, ModelRunner)
             or not self.cuda_graphs
             or not d.backend.supports_cuda_graphs()
+            or d.graphs is not None  # its ForwardGraphRunner replays the steps already
         ):
             return
         self.draft_graphs = DraftGraphRunner(d, max_num_seqs, max_width)

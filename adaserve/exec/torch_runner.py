@@ -8,6 +8,7 @@ the target's features. Both implement `exec/runner.py`'s `Runner`; the attention
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,9 @@ from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.eagle import EagleHead
 from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
 from adaserve.exec.timing import forward_cost_points
+
+if TYPE_CHECKING:  # cuda_graph.py imports this module's types the same way
+    from adaserve.exec.cuda_graph import ForwardGraphRunner
 
 
 class ModelRunner:
@@ -41,6 +45,8 @@ class ModelRunner:
         # rows last) in `last_hidden`: what an EAGLE head drafts from.
         self.capture_hidden = False
         self.last_hidden: torch.Tensor | None = None
+        # CUDA only: replays forwards it covers from graphs (exec/cuda_graph.ForwardGraphRunner).
+        self.graphs: ForwardGraphRunner | None = None
 
     @property
     def args(self) -> LlamaArgs:
@@ -94,6 +100,8 @@ class ModelRunner:
         return forward_cost_points(self, max_tokens)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
+        if self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.forward(batch)
         self.backend.plan(batch.metadata())
         ids = torch.tensor(batch.token_ids, dtype=torch.long, device=self.device)
         pos = torch.tensor(batch.positions, dtype=torch.long, device=self.device)

@@ -1,4 +1,5 @@
-"""Draft-step CUDA graphs: bucket choice and padding (CPU); replay equals eager (CUDA)."""
+"""CUDA graphs (draft steps, any small forward): buckets and padding (CPU); replay equals eager
+(on a plain-torch stand-in on the CPU, on FlashInfer on CUDA)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from adaserve.exec.attention.torch_ref import TorchAttentionBackend
 from adaserve.exec.batch import SequenceBatchBuilder
 from adaserve.exec.cuda_graph import (
     DraftGraphRunner,
+    ForwardGraphRunner,
     choose_bucket,
     pad_batch,
+    pad_forward,
     request_buckets,
     step_width,
 )
@@ -213,3 +216,137 @@ def test_each_width_gets_its_own_graph() -> None:
     assert graphs.num_graphs == 3
     too_wide = step_batch([9 + 5, 17 + 5], tables, 5)
     assert not graphs.covers(too_wide)
+
+
+# ------------------------------------------------------------------ any forward
+def verify_batch(
+    ctxs: list[int], tables: list[list[int]], trees: list[list[int] | None], logits: str = "all"
+):
+    """Per sequence a tree (parents over its new tokens, -1: on the context) or a decode token."""
+    builder = SequenceBatchBuilder()
+    for i, (ctx, table, tree) in enumerate(zip(ctxs, tables, trees)):
+        parents = tree if tree is not None else [-1]
+        depth: list[int] = []
+        for p in parents:
+            depth.append(0 if p < 0 else depth[p] + 1)
+        ids = [(7 * i + j) % 90 + 2 for j in range(len(parents))]
+        builder.add(
+            ids, [ctx + d for d in depth], ctx + len(parents), table, tree=tree, logits=logits
+        )
+    return builder.batch
+
+
+def test_pad_forward_fills_the_buckets_with_dummy_sequences() -> None:
+    batch = verify_batch([10, 20, 7], [[3], [4, 5], [6]], [[-1, 0], None, [-1, 0, 0]])
+    assert batch.query_lens == [2, 1, 3]
+    padded = pad_forward(batch, 4, 16, dummy_table=[9])
+    assert padded.query_lens == [2, 1, 3, 10] and len(padded.token_ids) == 16
+    assert padded.token_ids[:6] == batch.token_ids and padded.positions[:6] == batch.positions
+    assert padded.kv_lens == [12, 21, 10, 10] and padded.positions[6:] == list(range(10))
+    assert padded.block_tables[3] == [9] and padded.trees[3] is None
+    assert padded.logits_indices is None
+    several = pad_forward(batch, 8, 16, [9])
+    assert several.query_lens[3:] == [6, 1, 1, 1, 1], "one token per dummy, the rest on the first"
+    assert len(batch.query_lens) == 3, "pad_forward must not change its input"
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_forward(batch, 8, 8, [9])  # five dummies need five tokens, two are left
+    with pytest.raises(ValueError, match="cannot pad"):
+        pad_forward(batch, 3, 8, [9])  # padding tokens and no dummy to hold them
+
+
+def cpu_stand_in_runner(fake_fi, monkeypatch) -> ModelRunner:  # noqa: F811
+    monkeypatch.setattr(cuda_graph, "_check_runner", lambda runner: None)
+    monkeypatch.setattr(cuda_graph._GraphRunner, "_record", _eager_record)
+    torch.manual_seed(0)
+    cache = KVCache(2, 64, 16, 2, 64, torch.float32, "cpu")
+    return ModelRunner(
+        LlamaForCausalLM(ARGS).eval(), cache, fake_fi.FlashInferAttentionBackend(cache)
+    )
+
+
+def test_forward_buckets_leave_room_for_dummies(fake_fi, monkeypatch) -> None:  # noqa: F811
+    runner = cpu_stand_in_runner(fake_fi, monkeypatch)
+    graphs = ForwardGraphRunner(runner, max_num_seqs=16, max_tokens=32, max_kv_len=100)
+    assert graphs.buckets(verify_batch([5], [[0]], [None])) == (1, 1)
+    # 3 tokens on one sequence: token bucket 4 needs a dummy sequence for its 4th token
+    assert graphs.buckets(verify_batch([5], [[0]], [[-1, 0, 0]])) == (2, 4)
+    # 3 sequences, 5 tokens: bucket 4 sequences, one dummy token: 6 -> 8 tokens
+    assert graphs.buckets(verify_batch([5, 6, 7], [[0], [1], [2]], [[-1, 0], [-1, 0], None])) == (
+        4,
+        8,
+    )
+    for s in range(1, 17):  # every shape within the bounds is covered, padding fits
+        for t in range(s, 33 - (s > 1)):
+            lens = [t - s + 1] + [1] * (s - 1)
+            trees = [list(range(-1, n - 1)) if n > 1 else None for n in lens]
+            batch = verify_batch([5] * s, [[i] for i in range(s)], trees)
+            key = graphs.buckets(batch)
+            if key is None:  # only when the dummies the buckets need push it past 32 tokens
+                b = choose_bucket(s, graphs.seq_buckets)
+                if b == s and t not in graphs.tok_buckets:  # a dummy must hold the padding
+                    b = choose_bucket(s + 1, graphs.seq_buckets) or 10**6
+                assert t + b - s > 32, f"{s} sequences, {t} tokens not covered"
+                continue
+            padded = pad_forward(batch, *key, [63])
+            assert (len(padded.query_lens), len(padded.token_ids)) == key
+    big = verify_batch([5], [[0, 1, 2]], [list(range(-1, 32))])  # 33 tokens
+    assert graphs.buckets(big) is None
+    assert graphs.buckets(verify_batch([99], [[0, 1, 2, 3, 4, 5, 6]], [[-1, 0]])) is None
+    with_features = verify_batch([5], [[0]], [None])
+    with_features.features = torch.zeros(1, ARGS.hidden_size)
+    assert graphs.buckets(with_features) is None, "an EAGLE head's features are not captured"
+    graphs.close()
+
+
+def test_forward_graph_wiring_on_cpu(fake_fi, monkeypatch) -> None:  # noqa: F811
+    """Padding, static buffers, plan-before-replay and slicing, with graphs replaced by reruns."""
+    check_forward_replay_equals_eager(cpu_stand_in_runner(fake_fi, monkeypatch), tol=1e-5)
+
+
+def check_forward_replay_equals_eager(runner: ModelRunner, tol: float) -> None:
+    graphs = ForwardGraphRunner(runner, max_num_seqs=8, max_tokens=32, max_kv_len=128)
+    cache, dev = runner.cache, runner.device
+    ctxs = [5, 20, 33, 40]
+    tables = prefill(runner, ctxs)
+    shapes = [  # (trees, logits): verification trees beside a decode row, then fewer requests
+        ([[-1, 0, 0, 1], None, [-1, 0, 1, 2, 0], [-1]], "all"),
+        ([[-1, 0, 0, 1, 1], [-1, 0], [-1, 0, 1, 2], [-1]], "last"),
+        ([None, [-1, -1, 0]], "all"),
+    ]
+    for step, (trees, logits) in enumerate(shapes):
+        n = len(trees)
+        batch = verify_batch(ctxs[:n], tables[:n], trees, logits)
+        assert graphs.covers(batch)
+        runner.graphs = None
+        eager = runner.forward(batch)
+        kv = batch.kv_lens
+        slots = torch.cat(
+            [cache.slots(tables[i], kv[i] - batch.query_lens[i], kv[i]) for i in range(n)]
+        ).to(dev)
+        k_eager = cache.k[:, slots].clone()
+        cache.k[:, slots] = float("nan")  # the replay must write them again
+        runner.graphs = graphs
+        replay = runner.forward(batch)
+        assert replay is not None and eager is not None and replay.shape == eager.shape
+        assert_same_logits(replay, eager, f"shape {step}", tol)
+        assert torch.allclose(cache.k[:, slots], k_eager, atol=10 * tol), f"shape {step}: K"
+        assert graphs.buckets(batch) == [(8, 16), (8, 16), (2, 4)][step]
+    assert graphs.num_graphs == 2, "one graph per (sequence, token) bucket, replayed after"
+    # a forward past max_tokens runs eagerly, and right, beside the graphs
+    long_tree = list(range(-1, 39))
+    cache.reserve(tables[0], ctxs[0] + len(long_tree))
+    batch = verify_batch([ctxs[0]], [tables[0]], [long_tree])
+    assert not graphs.covers(batch)
+    with_graphs = runner.forward(batch)
+    runner.graphs = None
+    assert_same_logits(with_graphs, runner.forward(batch), "eager beside graphs", tol)
+    graphs.close()
+    for t in tables:
+        cache.release(t)
+    assert cache.allocator.num_used == 0, "graph runner leaked its dummy KV blocks"
+
+
+@cuda_only
+@pytest.mark.cuda
+def test_forward_replay_equals_eager_on_flashinfer() -> None:
+    check_forward_replay_equals_eager(flashinfer_runner(), tol=1e-2)

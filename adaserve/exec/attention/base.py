@@ -57,7 +57,9 @@ class AttentionBackend(ABC):
     def supports_cuda_graphs(self) -> bool:
         return False
 
-    def prepare_for_capture(self, max_tokens: int, meta: AttentionMetadata | None = None) -> None:
+    def prepare_for_capture(
+        self, max_tokens: int, meta: AttentionMetadata | None = None, max_kv_len: int | None = None
+    ) -> None:
         raise RuntimeError(f"{type(self).__name__} does not support CUDA graphs")
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:

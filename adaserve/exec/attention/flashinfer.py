@@ -250,11 +250,14 @@ class FlashInferAttentionBackend(AttentionBackend):
     def supports_cuda_graphs(self) -> bool:
         return True
 
-    def prepare_for_capture(self, max_tokens: int, meta: AttentionMetadata | None = None) -> None:
+    def prepare_for_capture(
+        self, max_tokens: int, meta: AttentionMetadata | None = None, max_kv_len: int | None = None
+    ) -> None:
         """Plan the graph-mode wrapper of `meta`'s shape (made on first use); forward() uses it.
 
         meta: the batch to capture with (its sequence count and `max_tokens` tokens fix the
-        graph's shape; its KV lengths do not).
+        graph's shape; its KV lengths do not). max_kv_len: the longest KV any replay gives a
+        sequence (None: the whole pool); it bounds the page and mask buffers.
         """
         if meta is None or meta.num_tokens != max_tokens:
             raise ValueError("FlashInfer capture needs the capture batch's metadata")
@@ -262,7 +265,9 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError("set num_qo_heads (the model's query heads) before capturing")
         key = (len(meta.query_lens), meta.num_tokens)
         if key not in self._graphs:
-            self._graphs[key] = self._new_graph_state(*key, max_q_len=max(meta.query_lens))
+            self._graphs[key] = self._new_graph_state(
+                *key, max_q_len=max(meta.query_lens), max_kv_len=max_kv_len
+            )
         self._plan_graph(self._graphs[key], meta)
 
     def prepare_for_replay(self, meta: AttentionMetadata) -> None:
@@ -272,11 +277,17 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise RuntimeError(f"no CUDA graph was captured for (num_seqs, num_tokens) = {key}")
         self._plan_graph(self._graphs[key], meta)
 
-    def _new_graph_state(self, num_seqs: int, num_tokens: int, max_q_len: int) -> _GraphState:
+    def _new_graph_state(
+        self, num_seqs: int, num_tokens: int, max_q_len: int, max_kv_len: int | None = None
+    ) -> _GraphState:
         dev = self.cache.device
         # Real sequences own distinct blocks; padding sequences may repeat one block each.
         max_pages = self.num_pages + num_seqs * -(-num_tokens // self.page_size)
+        # Mask bits: sum of q x kv over the sequences, each sequence from a byte boundary.
         max_mask_bytes = -(-max_q_len * max_pages * self.page_size // 8) + num_seqs
+        if max_kv_len is not None:  # a large pool would otherwise size these per graph
+            max_pages = min(max_pages, num_seqs * -(-max_kv_len // self.page_size))
+            max_mask_bytes = min(max_mask_bytes, -(-num_tokens * max_kv_len // 8) + num_seqs)
 
         def i32(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int32, device=dev)

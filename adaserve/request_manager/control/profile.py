@@ -295,9 +295,9 @@ def profile_engine(
 
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
-    """Where the start-up profile of this (target, draft, device, dtype, threads) is cached
-    (a thread count only when one was set: replicas sharing a machine run slower than one
-    process on all its cores, and must not inherit its profile)."""
+    """Where the start-up profile of this (target, draft, device, dtype, threads, CUDA graphs)
+    is cached (a thread count only when one was set: replicas sharing a machine run slower
+    than one process on all its cores, and must not inherit its profile)."""
     if engine.backend == "ggml":
         dtype = "gguf"
     else:
@@ -309,6 +309,10 @@ def startup_profile_path(engine: ExecutionEngine) -> Path:
     key = key.replace(":", "-")
     if engine.threads is not None:
         key += f"__{engine.threads}threads"
+    if getattr(engine.target, "graphs", None) is not None:
+        # Replayed forwards cost a fraction of eager ones on a GPU (docs/gpu.md): a profile
+        # measured eagerly would give a graph-replaying server a budget past its graphs.
+        key += "__cudagraphs"
     return cache_root() / "profiles" / f"{key}.json"
 
 

@@ -177,3 +177,18 @@ def test_a_thread_count_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
         torch.set_num_threads(before)
     assert len(set(paths.values())) == 3, paths
     assert paths[1].name.endswith("__1threads.json") and "threads" not in paths[None].name
+
+
+def test_a_graph_replaying_target_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
+    """On a GPU a replayed forward costs a fraction of an eager one (docs/results.md): an
+    eagerly measured profile would hand a graph-replaying server a budget past its graphs."""
+    import adaserve.request_manager.control.profile as profile_mod
+
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=64), False)
+    eager = profile_mod.startup_profile_path(engine)
+    engine.target.graphs = object()  # what a CUDA engine with FlashInfer sets (ForwardGraphRunner)
+    try:
+        graphs = profile_mod.startup_profile_path(engine)
+    finally:
+        engine.target.graphs = None
+    assert graphs != eager and graphs.name.endswith("__cudagraphs.json")
