@@ -12,8 +12,14 @@ in a bin first multiplies that bin's (trials n, accepts k, sum of q Q) by `decay
 
 Cold start / shrinkage: s pseudo-trials at the bucket centre c_b whose acceptance is the prior
 prior(q) = prior_scale * q * r_d (prior_scale = 1 trusts the draft until data says otherwise),
-r_d = (K_d + s) / (Q_d + s) the depth's accepts over its predicted accepts (all buckets), so a
-draft that is wrong everywhere at this depth is discounted in buckets that have little data:
+r_d the depth's accepts over its predicted accepts (all buckets), shrunk toward the depth above:
+
+    r_1 = (K_1 + s) / (Q_1 + s)        r_d = (K_d + s r_{d-1}) / (Q_d + s)
+
+so a draft that is wrong everywhere at a depth is discounted in buckets that have little data,
+and so are the deeper depths that have seen little or nothing: a deep node is reached only
+through its ancestors, rarely observed, and without this its prior would stay the draft's own
+word (a suffix drafter's chains say q = 1 at every depth) after depth 1 has shown otherwise.
 
     p_b = (k_b + s * prior(c_b)) / (n_b + s)        x_b = (Q_b + s * c_b) / (n_b + s)
 
@@ -121,10 +127,7 @@ class AcceptanceCalibrator:
     def _bucket_fit(self, row: int) -> tuple[list[float], list[float], list[float]]:
         """(x_b, raw p_b, weight n_b + s) per bucket of one depth, before monotonicity."""
         s = self.prior_strength
-        # The depth's own evidence corrects every bucket's prior at once: r = accepts over
-        # predicted accepts at this depth, shrunk to 1 (a sparse bucket of a draft that is
-        # right 5% of the time must not keep trusting the draft's 0.9).
-        r = (sum(self._accepts[row]) + s) / (sum(self._sum_q[row]) + s)
+        r = self._draft_ratio(row)
         xs, ps, ws = [], [], []
         for b, c in enumerate(self._centers):
             n = self._trials[row][b]
@@ -133,6 +136,16 @@ class AcceptanceCalibrator:
             ps.append((self._accepts[row][b] + s * prior) / (n + s))
             ws.append(n + s)
         return xs, ps, ws
+
+    def _draft_ratio(self, row: int) -> float:
+        """r_d: accepts over predicted accepts at this depth, shrunk toward the depth above
+        (depth 1: toward 1). The depth's own evidence corrects every bucket's prior at once (a
+        sparse bucket of a draft that is right 5% of the time must not keep trusting its 0.9)."""
+        s = self.prior_strength
+        r = 1.0
+        for d in range(row + 1):
+            r = (sum(self._accepts[d]) + s * r) / (sum(self._sum_q[d]) + s)
+        return r
 
     def _refresh(self, row: int) -> None:
         xs, ps, ws = self._bucket_fit(row)
@@ -189,7 +202,7 @@ class AcceptanceCalibrator:
         self._trials[row][b] = self._trials[row][b] * d + 1.0
         self._accepts[row][b] = self._accepts[row][b] * d + (1.0 if accepted else 0.0)
         self._sum_q[row][b] = self._sum_q[row][b] * d + q
-        self._dirty.add(row)
+        self._dirty.update(range(row, self.max_depth))  # deeper priors lean on this depth
 
     def observe_verification(
         self, tree: CandidateTree, verified_nodes: Sequence[int], accepted_nodes: Sequence[int]

@@ -124,6 +124,23 @@ def test_calibrate_tree_sums_paths_and_leaves_the_input_alone():
     assert out.logprobs[1] < tree.logprobs[1] - 0.3, "calibration did not lower an overconfident q"
 
 
+def test_depths_without_observations_follow_the_depth_above():
+    """A draft that depth 1 showed overconfident is not trusted at depths never observed (a
+    suffix drafter's chains say q = 1 at every depth), and a depth's own data still rules."""
+    cal = AcceptanceCalibrator(decay=1.0)
+    rng = random.Random(5)
+    for _ in range(200):
+        cal.observe(1, 0.95, rng.random() < 0.3)
+    for depth in (2, 5, 8):
+        got = cal.calibrated(depth, 0.95)
+        assert got < 0.45, f"depth {depth}, never observed, kept trusting q = 0.95: {got:.2f}"
+    for _ in range(400):
+        cal.observe(5, 0.95, rng.random() < 0.9)
+    got = cal.calibrated(5, 0.95)
+    assert abs(got - 0.9) < 0.06, f"depth 5's own 90% acceptance was overruled: {got:.2f}"
+    assert cal.calibrated(6, 0.95) > 0.6, "depth 6 did not follow depth 5's evidence"
+
+
 def test_forgetting_follows_a_change_in_the_target():
     cal = AcceptanceCalibrator()  # decay 0.995
     rng = random.Random(4)
