@@ -18,12 +18,14 @@ forward time by tokens and context, measured from the iterations the server runs
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
    decoding, so an iteration never predicts fewer tokens per second than incremental.
-   Exploration: until `explore_observations` depth-1 nodes have been verified, the most
-   probable nodes are kept past what pays, up to `explore_cost` of a plain forward's time
-   (at least one node), so a cold calibration learns what the drafter is worth instead of
-   never trying it; later, one node when nothing paid. Exploring is paid from a credit that
-   grows by `explore_budget` of each plain forward and gets back the tokens exploring had
-   accepted, so learning costs at most a few percent even where a verified tree token costs
+   Exploration: until `explore_observations` depth-1 nodes have been verified, what pays is
+   the prior's word (a suffix drafter's chains say q = 1 at every depth), so nothing is kept
+   for it alone: the most probable nodes are verified to learn, up to `explore_cost` of a
+   plain forward's time (at least one node), so a cold calibration learns what the drafter is
+   worth instead of never trying it or verifying deep trees on trust; later, one node when
+   nothing paid. Exploring is paid from a credit that grows by `explore_budget` of each plain
+   forward and gets back the tokens exploring had accepted (fewer nodes when it cannot pay
+   for all), so learning costs at most a few percent even where a verified tree token costs
    nearly a forward (llama.cpp on a CPU), and stops once one node accepted at the best rate
    the observations allow could not pay.
 """
@@ -265,17 +267,25 @@ class SpeculationController:
             rate = expected / self.forward_s(n + k, context)
             if rate > best_rate:
                 best_k, best_rate, best_expected = k, rate, expected
+        if self.exploring:
+            # What "pays" above rests on the draft's own word (a cold prior): nothing is
+            # verified on it alone. Whatever is verified now is exploring, priced below.
+            best_k, best_expected = 0, float(n)
         explore_k = self._explore_size(n, context, len(adds), best_k)
+        # Verify more than pays, to learn: paid from the exploration credit, so what learning
+        # costs (net of what it gets accepted) stays within explore_budget of the plain
+        # forward time, however costly a tree token is on this backend; when the credit
+        # cannot pay for them all, the most probable nodes it can pay for.
+        base_s = self.forward_s(n + best_k, context)
+        while explore_k > best_k and (
+            self.forward_s(n + explore_k, context) - base_s > self.explore_credit
+        ):
+            explore_k -= 1
         if explore_k > best_k:
-            # Verify more than pays, to learn: paid from the exploration credit, so what
-            # learning costs (net of what it gets accepted) stays within explore_budget of
-            # the plain forward time, however costly a tree token is on this backend.
-            extra = self.forward_s(n + explore_k, context) - self.forward_s(n + best_k, context)
-            if extra <= self.explore_credit:
-                self.explore_credit -= extra
-                self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
-                best_k = explore_k
-                best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
+            self.explore_credit -= self.forward_s(n + explore_k, context) - base_s
+            self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
+            best_k = explore_k
+            best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
         kept: list[list[int]] = [[0] for _ in trees]
         for _, _, _, r, v in adds[:best_k]:
             kept[r].append(v)

@@ -193,6 +193,41 @@ def test_exploring_stops_once_rejections_show_the_drafter_cannot_pay():
     assert kept == [[0, 1]], "on a target where tokens are nearly free exploring stopped"
 
 
+# llama.cpp on two CPU cores (the default model, one request): a tree token costs 0.5-0.85 of
+# a 1-token decode.
+LLAMA_CPP_MS = {1: 8, 2: 15, 3: 20, 4: 24, 8: 40, 16: 75}
+
+
+def test_a_cold_calibration_does_not_verify_a_confident_draft_on_its_own_word():
+    """A suffix drafter's chains say q = 1 at every depth. Before calibration has seen the
+    drafter, that word alone must not buy a deep tree where a tree token costs most of a
+    forward: only what exploring is priced for (one node here) is verified, and what it
+    costs, net of the tokens it gets accepted, stays within explore_budget of the plain
+    forward time plus one forward."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    ctl = SpeculationController(cfg, False, 16, _cost(LLAMA_CPP_MS))
+    tree = _tree([1.0] * 15)
+    plain_s = LLAMA_CPP_MS[1] / 1000
+    net_cost, worst_excess, verified = 0.0, float("-inf"), []
+    for i in range(1, 201):
+        exploring = ctl.exploring
+        kept, _ = ctl.prune(ctl.calibrate([tree]), [list(range(16))], [[0]], context=0)
+        k = len(kept[0]) - 1
+        if exploring:
+            verified.append(k)
+        # The target takes the first node every other time, never a deeper one.
+        accepted = [1] if k and i % 2 else []
+        net_cost += ctl.forward_s(1 + k, 0) - ctl.forward_s(1, 0) - len(accepted) * plain_s
+        ctl.observe_verification(tree, kept[0], accepted)
+        worst_excess = max(worst_excess, net_cost - cfg.explore_budget * i * plain_s)
+    assert verified and max(verified) <= 1, (
+        f"a cold calibration verified {max(verified)} nodes of a q = 1 chain at once"
+    )
+    assert worst_excess <= plain_s + 1e-9, (
+        f"exploring ran {1000 * worst_excess:.0f} ms over its budget"
+    )
+
+
 def count_fed_tokens(runner) -> list[int]:
     """Record the tokens of every forward `runner` runs from now on (the list it fills)."""
     fed: list[int] = []
