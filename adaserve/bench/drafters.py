@@ -1,6 +1,7 @@
 """Drafters on real text: incremental vs speculative policies per trace category, same run.
 
     python -m adaserve.bench.drafters [--trace T] [--concurrency 1 4] [--per-category 4]
+        [--categories summarization code]
 
 Prompts are the first `--per-category` x concurrency summarization, code and instruction
 requests of the shared trace, sent through the chat template, greedy, stopping at EOS or
@@ -109,6 +110,13 @@ def main() -> None:
         help="new: a fresh engine per pass, prompts it has never seen; repeated: one engine per "
         "configuration for the whole run (traffic that repeats)",
     )
+    ap.add_argument(
+        "--categories",
+        nargs="+",
+        choices=CATEGORIES,
+        default=list(CATEGORIES),
+        help="trace categories to serve, in this order",
+    )
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "ggml"))
     ap.add_argument(
         "--rounds",
@@ -147,7 +155,7 @@ def main() -> None:
         "| accepted/iter | draft ms/iter |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for cat in CATEGORIES:
+    for cat in args.categories:
         for c in args.concurrency:
             prompts = by_cat[cat][: args.per_category * c]
             best: dict[str, Result] = {}
