@@ -55,3 +55,28 @@ def test_repeated_scenario_keeps_the_engine_and_what_it_learned(factories) -> No
     assert _cached_docs(again) == 2, "repeated traffic meets the earlier answers"
     with pytest.raises(ValueError, match="scenario"):
         EnginePool("warm", factories)
+
+
+def test_side_by_side_passes_serve_alike_and_time_only_their_own_steps(tiny_llama) -> None:
+    """The interleaved benchmark: every engine serves every prompt, with the same greedy
+    output as serving alone, and is charged only the time of its own steps."""
+    import time
+
+    from adaserve.bench.drafters import serve, serve_side_by_side
+
+    def build(policy: str) -> LLMEngine:
+        return LLMEngine(
+            ModelConfig(model=str(tiny_llama), drafter="suffix"),
+            CacheConfig(block_size=4, num_blocks=256),
+            SchedulerConfig(policy=policy, budget=8, max_num_seqs=2),
+        )
+
+    prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 7, 7, 7]]
+    alone = [serve(build(p), prompts, 2, 6) for p in ("incremental", "adaserve")]
+    start = time.perf_counter()
+    paired = serve_side_by_side([build("incremental"), build("adaserve")], prompts, 2, 6)
+    wall = time.perf_counter() - start
+    assert [r.tokens for r in paired] == [r.tokens for r in alone]
+    assert all(r.tokens > len(prompts) for r in paired)
+    assert all(r.seconds > 0 for r in paired)
+    assert sum(r.seconds for r in paired) <= wall, "an engine was charged the other's steps"
