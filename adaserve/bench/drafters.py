@@ -81,10 +81,18 @@ class Pass:
     seconds are the time spent in its own steps (admission included)."""
 
     def __init__(
-        self, engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tokens: int
+        self,
+        engine: LLMEngine,
+        prompts: list[list[int]],
+        concurrency: int,
+        max_tokens: int,
+        staggered: bool = False,
     ) -> None:
         self.engine, self.concurrency = engine, concurrency
-        self.params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        self.params = [
+            SamplingParams(max_tokens=output_limit(max_tokens, i, staggered), temperature=0.0)
+            for i in range(len(prompts))
+        ]
         self.pending = list(prompts)
         self.result = Result(0, 0.0, 0, 0.0, 0, 0, 0.0)
 
@@ -97,7 +105,8 @@ class Pass:
         start = time.perf_counter()
         sched = engine.scheduler
         while self.pending and len(sched.running) + len(sched.waiting) < self.concurrency:
-            engine.add_request(self.pending.pop(0), self.params)
+            params = self.params[len(self.params) - len(self.pending)]
+            engine.add_request(self.pending.pop(0), params)
         outs = engine.step()
         r.seconds += time.perf_counter() - start
         r.tokens += sum(len(o.delta_token_ids) for o in outs)
@@ -110,19 +119,35 @@ class Pass:
             r.draft_s += s.draft_s
 
 
-def serve(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tokens: int) -> Result:
+def output_limit(max_tokens: int, i: int, staggered: bool) -> int:
+    """Prompt i's max_tokens: all alike, or staggered (5/8, 7/8, 9/8, 11/8 of it in turn, the
+    same mean), so requests started together do not all finish together."""
+    return max_tokens if not staggered else max(1, max_tokens * (5 + 2 * (i % 4)) // 8)
+
+
+def serve(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    staggered: bool = False,
+) -> Result:
     """Serve `prompts` keeping `concurrency` in flight; greedy."""
-    return serve_side_by_side([engine], prompts, concurrency, max_tokens)[0]
+    return serve_side_by_side([engine], prompts, concurrency, max_tokens, staggered)[0]
 
 
 def serve_side_by_side(
-    engines: list[LLMEngine], prompts: list[list[int]], concurrency: int, max_tokens: int
+    engines: list[LLMEngine],
+    prompts: list[list[int]],
+    concurrency: int,
+    max_tokens: int,
+    staggered: bool = False,
 ) -> list[Result]:
     """Each engine serves the same `prompts`, their steps interleaved one by one, each timed
     on its own steps. A slow moment of a shared machine (this one moves 10-20% between
     passes a minute apart) then falls on every configuration alike: two identical engines
     served this way differ by ~2%, in passes one after another by up to 20%."""
-    passes = [Pass(e, prompts, concurrency, max_tokens) for e in engines]
+    passes = [Pass(e, prompts, concurrency, max_tokens, staggered) for e in engines]
     while not all(p.done for p in passes):
         for p in passes:
             if not p.done:
@@ -137,6 +162,13 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--per-category", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument(
+        "--lengths",
+        choices=("same", "staggered"),
+        default="same",
+        help="same: every request up to --max-tokens; staggered: 5/8, 7/8, 9/8, 11/8 of it in "
+        "turn, so requests started together do not all finish (and free the cache) together",
+    )
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument(
         "--configs",
@@ -174,6 +206,7 @@ def main() -> None:
         "alternating, each timed on its own steps; sequential: one pass after another",
     )
     args = ap.parse_args()
+    stagger = args.lengths == "staggered"
     trace = load_trace(args.trace)
 
     def factory(policy: str, drafter: str) -> Callable[[], LLMEngine]:
@@ -197,7 +230,8 @@ def main() -> None:
     print(
         f"budget {args.budget}, greedy, up to {args.max_tokens} tokens, "
         f"{args.per_category} x concurrency prompts per category, scenario {args.scenario}, "
-        f"backend {args.backend}, {args.rounds} rounds, {args.schedule}\n"
+        f"backend {args.backend}, {args.rounds} rounds, {args.schedule}, "
+        f"{args.lengths} lengths\n"
     )
     print(
         "| category | concurrent | config | tok/s | decode tok/s | vs incremental "
@@ -213,11 +247,11 @@ def main() -> None:
             for _ in range(args.rounds):
                 if args.schedule == "interleaved":
                     engines = [pool.engine(entry) for entry in pool.labels]
-                    results = serve_side_by_side(engines, prompts, c, args.max_tokens)
+                    results = serve_side_by_side(engines, prompts, c, args.max_tokens, stagger)
                     del engines
                 else:
                     results = [
-                        serve(pool.engine(entry), prompts, c, args.max_tokens)
+                        serve(pool.engine(entry), prompts, c, args.max_tokens, stagger)
                         for entry in pool.labels
                     ]
                 for entry, r in zip(pool.labels, results):
@@ -238,6 +272,7 @@ def main() -> None:
                     f"| {1000 * r.draft_s / iters:.2f} |",
                     flush=True,
                 )
+
 
 if __name__ == "__main__":
     main()

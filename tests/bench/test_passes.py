@@ -72,11 +72,22 @@ def test_side_by_side_passes_serve_alike_and_time_only_their_own_steps(tiny_llam
         )
 
     prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 7, 7, 7]]
-    alone = [serve(build(p), prompts, 2, 6) for p in ("incremental", "adaserve")]
+    alone = [serve(build(p), prompts, 2, 8, staggered=True) for p in ("incremental", "adaserve")]
     start = time.perf_counter()
-    paired = serve_side_by_side([build("incremental"), build("adaserve")], prompts, 2, 6)
+    paired = serve_side_by_side(
+        [build("incremental"), build("adaserve")], prompts, 2, 8, staggered=True
+    )
     wall = time.perf_counter() - start
     assert [r.tokens for r in paired] == [r.tokens for r in alone]
     assert all(r.tokens > len(prompts) for r in paired)
     assert all(r.seconds > 0 for r in paired)
     assert sum(r.seconds for r in paired) <= wall, "an engine was charged the other's steps"
+
+
+def test_staggered_lengths_keep_the_mean_and_spread_the_finishes() -> None:
+    from adaserve.bench.drafters import output_limit
+
+    limits = [output_limit(64, i, staggered=True) for i in range(8)]
+    assert limits[:4] == [40, 56, 72, 88] and limits[4:] == limits[:4]
+    assert sum(limits) == 8 * 64
+    assert {output_limit(64, i, staggered=False) for i in range(8)} == {64}
