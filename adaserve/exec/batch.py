@@ -76,16 +76,32 @@ class ForwardBatch:
         ]
         return AttentionMetadata(self.query_lens, self.kv_lens, self.block_tables, masks)
 
-    def silent_tokens(self) -> tuple[int, int]:
-        """(tokens whose logits are not wanted, the keys they attend in all): what a forward's
-        prompt-chunk tokens add to its cost apart from decode tokens (control/cost_model.py).
-        A token at position p of a chunk attends p + 1 keys."""
+    def cost_terms(self) -> tuple[int, int]:
+        """(silent tokens, extra pairs): what a forward adds to the cost of one decode row per
+        sequence over the same context (control/cost_model.py).
+
+        Silent tokens return no logits (prompt-chunk tokens). Extra pairs are the query-key
+        pairs attention computes beyond one query per sequence: every silent token's keys and
+        the keys of each logits token after its sequence's first (a tree's nodes past the
+        root, which the cost model's context term does not see: a 5-node tree 600 tokens into
+        a request attends ~3,000 keys where a decode row attends 600). A token at position p
+        attends p + 1 keys (a tree node: the context, its ancestors and itself).
+        """
         wanted = self.logits_indices
-        if wanted is None:
-            return 0, 0
-        out = set(wanted)
-        silent = [i for i in range(len(self.token_ids)) if i not in out]
-        return len(silent), sum(self.positions[i] + 1 for i in silent)
+        out = set(range(len(self.token_ids)) if wanted is None else wanted)
+        silent = extra = 0
+        start = 0
+        for q in self.query_lens:
+            first = True
+            for i in range(start, start + q):
+                if i not in out:
+                    silent += 1
+                elif first:
+                    first = False
+                    continue
+                extra += self.positions[i] + 1
+            start += q
+        return silent, extra
 
 
 @dataclass

@@ -355,14 +355,14 @@ class Scheduler:
                 )
         batch = builder.batch
         total = len(batch.token_ids)
-        silent, silent_pairs = batch.silent_tokens()  # prompt-chunk tokens, mostly
+        silent, extra_pairs = batch.cost_terms()  # prompt chunks, tree nodes
         pad = self.engine.target.supports_padding
-        pad_to = self.controller.pad_to(total, context, silent, silent_pairs) if pad else total
+        pad_to = self.controller.pad_to(total, context, silent, extra_pairs) if pad else total
         chunk_context = sum(r.num_cached for r, _ in chunks)
         predicted = None
         if self.cost is not None:
             predicted = self.cost.predict(
-                pad_to, context + chunk_context, silent + pad_to - total, silent_pairs
+                pad_to, context + chunk_context, silent + pad_to - total, extra_pairs
             )
         prefill_tokens = total - num_tree_tokens
         stats = IterationStats(
@@ -424,7 +424,7 @@ class Scheduler:
         stats = plan.stats
         stats.forward_s = out.forward_s
         if self.cost is not None:
-            silent, silent_pairs = plan.batch.silent_tokens()
+            silent, extra_pairs = plan.batch.cost_terms()
             total = len(plan.batch.token_ids)
             # Padding rows return no logits either.
             self.cost.observe(
@@ -432,7 +432,7 @@ class Scheduler:
                 plan.context + plan.chunk_context,
                 out.forward_s,
                 silent + plan.pad_to - total,
-                silent_pairs,
+                extra_pairs,
             )
         self._commit_draft_prefill(plan)
         self._chunk_features(plan, out)

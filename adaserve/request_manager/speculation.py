@@ -150,7 +150,8 @@ class TreePlanner:
         t_spec = ctl.t_spec_s(len(reqs), context, shape, extra_tokens)
         a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
         selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
-        selections, _ = ctl.prune(scored, selections, slo_step, context)
+        cached = [r.num_cached for r in reqs]
+        selections, _ = ctl.prune(scored, selections, slo_step, context, cached)
         expected = [sum(t.path_prob(v) for v in sel) for t, sel in zip(scored, selections)]
         return TreePlan(
             trees,

@@ -82,3 +82,23 @@ def test_tree_mask_rejects_parents_out_of_order() -> None:
         tree_mask([-1, 0], 3, 5)
     with pytest.raises(ValueError, match="cannot hold"):
         SequenceBatchBuilder().add([1, 2, 3], [0, 1, 2], 3, [0], tree=[-1, 0])
+
+
+def test_cost_terms_count_the_pairs_beyond_one_query_per_sequence() -> None:
+    """A decode row adds nothing beyond the context term, a tree's nodes past its root add the
+    keys they attend (their context, their ancestors, themselves), a prompt chunk's tokens are
+    silent and add theirs."""
+    b = SequenceBatchBuilder()
+    b.add([7], [10], 11, [0])  # decode: one row at position 10
+    b.add([1, 2, 3, 4], [600, 601, 601, 602], 604, [1], tree=[-1, 0, 0, 1])  # 4-node tree
+    b.add([5, 6, 7], [0, 1, 2], 3, [2], logits="none")  # a prompt chunk
+    b.add([8, 9], [3, 4], 5, [2], logits="last")  # its last chunk: one logits row
+    silent, extra = b.batch.cost_terms()
+    assert silent == 3 + 1, "the chunk tokens without logits are silent"
+    tree_pairs = 602 + 602 + 603  # nodes past the root at positions 601, 601, 602
+    chunk_pairs = 1 + 2 + 3 + 4  # positions 0, 1, 2 and 3 (the last chunk's silent token)
+    assert extra == tree_pairs + chunk_pairs
+    plain = SequenceBatchBuilder()
+    for pos in (10, 600, 2000):
+        plain.add([1], [pos], pos + 1, [0])
+    assert plain.batch.cost_terms() == (0, 0), "decode rows attend only what c counts"

@@ -124,7 +124,10 @@ class SpeculationController:
             spec = (
                 n
                 * (1 + k)
-                / (k * self.draft_step_s(step_tokens, context) + self.forward_s(n + n * k, context))
+                / (
+                    k * self.draft_step_s(step_tokens, context)
+                    + self.forward_s(n + n * k, context, self.node_pairs(n, context, n * k))
+                )
             )
             best = max(best, spec)
         return best / (n / self.forward_s(n, context))
@@ -168,33 +171,43 @@ class SpeculationController:
             self.draft_cost.observe(max(1, tokens_per_step), context, seconds / max(1, steps))
 
     # ------------------------------------------------------------------ 2. how deep?
-    def forward_s(self, tokens: int, context: int) -> float:
-        """Predicted target forward time of `tokens` tokens, at its cheapest padded size."""
-        padded = self.verify_cost.best_padded(tokens, context, max(tokens, self.max_pad_tokens))
+    def forward_s(self, tokens: int, context: int, extra_pairs: int = 0) -> float:
+        """Predicted target forward time of `tokens` tokens, at its cheapest padded size;
+        `extra_pairs`: the query-key pairs of its tree nodes past their roots (cost_terms)."""
+        cost = self.verify_cost
+        padded = cost.best_padded(
+            tokens, context, max(tokens, self.max_pad_tokens), extra_pairs=extra_pairs
+        )
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
-        padded_s = self.verify_cost.predict(padded, context, padded - tokens)
+        padded_s = cost.predict(padded, context, padded - tokens, extra_pairs)
         return max(padded_s, MIN_FORWARD_S)
+
+    @staticmethod
+    def node_pairs(n: int, context: int, nodes: int) -> int:
+        """Extra pairs of `nodes` tree nodes over `n` requests holding `context` tokens, each
+        node at its request's mean context (for decisions made before the trees exist)."""
+        return nodes * (context // max(1, n) + 1)
 
     def record_iteration_time(self, shape: SpecShape | None, total_s: float) -> None:
         """Nothing to learn here: t_spec comes from the cost model (`t_spec_s`)."""
         return None
 
-    def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
+    def pad_to(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
 
         Only for a clear saving (pad_min_saving), and every pad_explore_every-th padded forward runs
         unpadded instead, so the cost of the exact size is measured again and a seed that was
         too high cannot keep us padding forever. `silent` tokens (prompt chunks riding along)
-        return no logits and attend `silent_pairs` keys, as the padding rows return none.
+        return no logits, as the padding rows return none; `extra_pairs` as in `cost_terms`.
         """
         cost = self.verify_cost
         limit = max(tokens, self.max_pad_tokens)
-        best = cost.best_padded(tokens, context, limit, silent, silent_pairs)
+        best = cost.best_padded(tokens, context, limit, silent, extra_pairs)
         if best == tokens:
             return tokens
         self.num_padded += 1
-        padded_s = cost.predict(best, context, silent + best - tokens, silent_pairs)
-        saving = 1.0 - padded_s / cost.predict(tokens, context, silent, silent_pairs)
+        padded_s = cost.predict(best, context, silent + best - tokens, extra_pairs)
+        saving = 1.0 - padded_s / cost.predict(tokens, context, silent, extra_pairs)
         if saving < self.cfg.pad_min_saving or self.num_padded % self.cfg.pad_explore_every == 0:
             return tokens
         return best
@@ -210,7 +223,8 @@ class SpeculationController:
                 cal = self.calibrator.calibrate_tree(tree)
                 mass += sum(cal.path_prob(v) for v in nodes_)
                 nodes += len(nodes_)
-            extra = self.forward_s(num_requests + nodes, context) - self.forward_s(
+            pairs = self.node_pairs(num_requests, context, nodes)
+            extra = self.forward_s(num_requests + nodes, context, pairs) - self.forward_s(
                 num_requests, context
             )
             step_s = self.draft_step_s(nodes, context)
@@ -229,7 +243,8 @@ class SpeculationController:
             if shape.cheap_only
             else shape.depth * self.draft_step_s(num_requests * shape.width, context)
         )
-        return draft + self.forward_s(tokens + extra_tokens, context + extra_tokens)
+        pairs = self.node_pairs(num_requests, context, tokens - num_requests)
+        return draft + self.forward_s(tokens + extra_tokens, context + extra_tokens, pairs)
 
     # ------------------------------------------------------------------ 3. which nodes?
     def calibrate(self, trees: Sequence[CandidateTree]) -> list[CandidateTree]:
@@ -241,10 +256,13 @@ class SpeculationController:
         selections: Sequence[Sequence[int]],
         protected: Sequence[Sequence[int]],
         context: int,
+        cached: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], float]:
         """Keep the prefix of the selection that maximises expected tokens per second.
 
-        `trees` are calibrated; `protected` are the SLO step's nodes (dropped last).
+        `trees` are calibrated; `protected` are the SLO step's nodes (dropped last); `cached`:
+        each request's tokens in the KV cache (a node at depth d attends cached + d + 1 keys,
+        so a node of a long request costs more; None: every request at the mean context).
         Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
@@ -260,29 +278,36 @@ class SpeculationController:
                     )
         removable.sort()
         adds = list(reversed(removable))  # the order in which nodes are (re)added
+        mean = context // max(1, n)
+        # pairs[k]: the extra query-key pairs of the first k nodes added
+        pairs = [0]
+        for *_, r, v in adds:
+            pairs.append(
+                pairs[-1] + (mean if cached is None else cached[r]) + trees[r].depths[v] + 1
+            )
         best_k, best_rate = 0, n / self.forward_s(n, context)
         expected = best_expected = float(n)
         for k, (*_, r, v) in enumerate(adds, start=1):
             expected += trees[r].path_prob(v)
-            rate = expected / self.forward_s(n + k, context)
+            rate = expected / self.forward_s(n + k, context, pairs[k])
             if rate > best_rate:
                 best_k, best_rate, best_expected = k, rate, expected
         if self.exploring:
             # What "pays" above rests on the draft's own word (a cold prior): nothing is
             # verified on it alone. Whatever is verified now is exploring, priced below.
             best_k, best_expected = 0, float(n)
-        explore_k = self._explore_size(n, context, len(adds), best_k)
+        explore_k = self._explore_size(n, context, pairs, best_k)
         # Verify more than pays, to learn: paid from the exploration credit, so what learning
         # costs (net of what it gets accepted) stays within explore_budget of the plain
         # forward time, however costly a tree token is on this backend; when the credit
         # cannot pay for them all, the most probable nodes it can pay for.
-        base_s = self.forward_s(n + best_k, context)
+        base_s = self.forward_s(n + best_k, context, pairs[best_k])
         while explore_k > best_k and (
-            self.forward_s(n + explore_k, context) - base_s > self.explore_credit
+            self.forward_s(n + explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
         ):
             explore_k -= 1
         if explore_k > best_k:
-            self.explore_credit -= self.forward_s(n + explore_k, context) - base_s
+            self.explore_credit -= self.forward_s(n + explore_k, context, pairs[explore_k]) - base_s
             self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
             best_k = explore_k
             best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
@@ -291,8 +316,9 @@ class SpeculationController:
             kept[r].append(v)
         return [sorted(s) for s in kept], best_expected
 
-    def _explore_size(self, n: int, context: int, candidates: int, best_k: int) -> int:
-        """Nodes to verify to learn from (0: none beyond the `best_k` that pay).
+    def _explore_size(self, n: int, context: int, pairs: Sequence[int], best_k: int) -> int:
+        """Nodes to verify to learn from (0: none beyond the `best_k` that pay); `pairs[k]`:
+        the extra query-key pairs of the first k candidate nodes.
 
         While calibration has not seen the drafter (`exploring`): the most probable nodes, as
         many as add at most explore_cost of a plain forward (at least one); once it has, one
@@ -300,6 +326,7 @@ class SpeculationController:
         that became good (another workload) gets used again. Never where one node accepted at
         the best rate the observations allow could not pay. Also accrues the credit.
         """
+        candidates = len(pairs) - 1
         plain_s = self.forward_s(n, context)
         self._settle_exploration()
         cap = EXPLORE_CREDIT_FORWARDS * plain_s
@@ -311,7 +338,7 @@ class SpeculationController:
         if self.exploring:
             limit = (1.0 + self.cfg.explore_cost) * plain_s
             k = 1
-            while k < candidates and self.forward_s(n + k + 1, context) <= limit:
+            while k < candidates and self.forward_s(n + k + 1, context, pairs[k + 1]) <= limit:
                 k += 1
             return k
         if best_k:
@@ -334,13 +361,15 @@ class SpeculationController:
         observations so far allow (an upper confidence bound)? Where a tree token costs
         nearly a forward, a few rejections end exploring; where it is almost free, never."""
         ucb = self.calibrator.acceptance_upper_bound(1, EXPLORE_DELTA)
-        return (n + ucb) / self.forward_s(n + 1, context) > n / self.forward_s(n, context)
+        one = self.forward_s(n + 1, context, self.node_pairs(n, context, 1))
+        return (n + ucb) / one > n / self.forward_s(n, context)
 
     def iteration_ratio(
         self, expected: float, n: int, tokens: int, context: int, draft_s: float
     ) -> float:
         """R of one iteration: its tokens/s (E tokens in draft + verify time) over incremental's."""
-        spec = expected / (draft_s + self.forward_s(tokens, context))
+        verify_s = self.forward_s(tokens, context, self.node_pairs(n, context, tokens - n))
+        spec = expected / (draft_s + verify_s)
         return spec / (n / self.forward_s(n, context))
 
     # ------------------------------------------------------------------ observation
@@ -414,11 +443,12 @@ class NoControl:
         selections: Sequence[Sequence[int]],
         protected: Sequence[Sequence[int]],
         context: int,
+        cached: Sequence[int] | None = None,
     ) -> tuple[list[list[int]], float]:
         expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
         return [list(s) for s in selections], expected
 
-    def pad_to(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> int:
+    def pad_to(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> int:
         return tokens
 
     def observe_verification(

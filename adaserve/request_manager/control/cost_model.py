@@ -1,19 +1,25 @@
 """Online model of a model runner's forward time: a free curve in the token count, plus a
-context slope per token count, and what its prompt tokens cost apart from decode tokens.
+context slope per token count, and what prompt tokens and tree nodes cost apart from decode
+tokens.
 
     T(n, c, s, q) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q,      a, b, e >= 0
 
 n is the number of tokens in the forward, c the context tokens its sequences attend (each
 sequence's cached tokens, once). s of the n tokens are silent: their logits are not computed
-(prompt-chunk tokens, padding), and q is the keys those silent tokens attend (a chunk of m
-tokens after p cached ones: m p + m (m + 1) / 2). g is the cost with every row's logits.
+(prompt-chunk tokens, padding), and q is the query-key pairs beyond one query per sequence
+(`ForwardBatch.cost_terms`): the keys the silent tokens attend (a chunk of m tokens after p
+cached ones: m p + m (m + 1) / 2) and those of each tree node past its root (a node at depth
+d of a request with p cached tokens attends p + d + 1). g is the cost with every row's logits.
 b is one output row's share (the LM head, vocab x hidden per row: on ggml, 4 decode + 16
 prompt tokens over 24 x 300 cached took 112 ms, the same 20 tokens all with logits 122 ms).
 e prices a chunk's attention, which c counts once per sequence while each chunk token does
 it: a 16-token chunk 1,000 tokens into its prompt does 16,000 query-key pairs where a decode
 token does 1,000. Without these two terms every decode iteration carrying a prompt chunk was
 priced as if its tokens were decode tokens (~10% high for small chunks near the start of a
-prompt, low for chunks deep in a long one).
+prompt, low for chunks deep in a long one). Tree nodes are the same case with logits: a
+3-node tree 1,500 tokens into one request took 32.8 ms on ggml where 3 decode rows over 3 x
+500 took 24.9 ms (the same c, 3x the pairs); before q counted them, every k-node tree was
+priced as k decode rows and a long request's trees looked as cheap as a short one's.
 
 bucket(n) is n for n <= 32 and the next power of two above; a sample of 40 tokens counts
 in bucket 64, and a prediction for 40 tokens interpolates between buckets 32 and 64.
@@ -64,7 +70,7 @@ from typing import Any, TypedDict
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
-_PAIR_SCALE = 65536.0  # silent tokens' query-key pairs counted in units of this
+_PAIR_SCALE = 65536.0  # extra query-key pairs (cost_terms) counted in units of this
 _SILENT_RIDGE = 4.0  # pseudo-weight pulling b to its prior: one sample 2 silent rows off
 _PAIR_RIDGE = 0.01  # pseudo-weight pulling e to its prior: one sample 6,554 pairs off
 _MAX_SILENT_SAVING = 0.5  # silent rows take at most this share off a forward's time
@@ -88,15 +94,15 @@ def bucket_of(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
-def _check(tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> None:
+def _check(tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> None:
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
     if not 0 <= silent <= tokens:
         raise ValueError(f"silent tokens must be in [0, {tokens}], got {silent}")
-    if silent_pairs < 0:
-        raise ValueError(f"silent_pairs must be >= 0, got {silent_pairs}")
+    if extra_pairs < 0:
+        raise ValueError(f"extra_pairs must be >= 0, got {extra_pairs}")
 
 
 _MEMO_SIZE = 4096
@@ -139,7 +145,7 @@ class ForwardCostModel:
         self._slope_priors: dict[int, float] = {}  # per-bucket a_0 (from a stored model)
         self._slope_weight = _SLOPE_RIDGE
         # b and e, their priors (b_0, e_0) and ridge weights: seconds per silent token and per
-        # _PAIR_SCALE pairs of silent tokens
+        # _PAIR_SCALE extra pairs
         self._silent, self._pairs = 0.0, 0.0
         self._silent_prior, self._pairs_prior = 0.0, 0.0
         self._silent_weight, self._pairs_weight = _SILENT_RIDGE, _PAIR_RIDGE
@@ -164,12 +170,12 @@ class ForwardCostModel:
         k: int,
         context: float,
         silent: int,
-        silent_pairs: int,
+        extra_pairs: int,
         seconds: float,
         weight: float,
         decay: float,
     ) -> None:
-        v = (1.0, context / _CONTEXT_SCALE, float(silent), silent_pairs / _PAIR_SCALE, seconds)
+        v = (1.0, context / _CONTEXT_SCALE, float(silent), extra_pairs / _PAIR_SCALE, seconds)
         m = self._stats.setdefault(k, [[0.0] * 5 for _ in range(5)])
         for i, row in enumerate(m):
             wv = weight * v[i]
@@ -187,16 +193,17 @@ class ForwardCostModel:
             self._add_at(bucket_of(tokens), context, 0, 0, float(seconds), weight, decay=1.0)
 
     def observe(
-        self, tokens: int, context: int, seconds: float, silent: int = 0, silent_pairs: int = 0
+        self, tokens: int, context: int, seconds: float, silent: int = 0, extra_pairs: int = 0
     ) -> bool:
-        """Add one measured forward of `tokens` tokens, `silent` of them without logits and
-        attending `silent_pairs` keys between them; False if it was rejected as an outlier."""
-        _check(tokens, context, silent, silent_pairs)
+        """Add one measured forward of `tokens` tokens, `silent` of them without logits, with
+        `extra_pairs` query-key pairs beyond one query per sequence (`ForwardBatch.cost_terms`);
+        False if it was rejected as an outlier."""
+        _check(tokens, context, silent, extra_pairs)
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds}")
         k = bucket_of(tokens)
         if self._counts.get(k, 0) >= self.min_observations_for_outliers:
-            predicted = self.predict(tokens, context, silent, silent_pairs)
+            predicted = self.predict(tokens, context, silent, extra_pairs)
             self._note_error(seconds, predicted)
             limit = self.outlier_factor * predicted
             streak = self._streak.get(k, 0)
@@ -221,19 +228,19 @@ class ForwardCostModel:
             # them.)
             if self._dirty:
                 self._solve()
-            low = self._g(lo) + self._a(lo) * context + self._prompt_s(silent, silent_pairs)
+            low = self._g(lo) + self._a(lo) * context + self._prompt_s(silent, extra_pairs)
             implied = (seconds - (1.0 - f) * low) / f
             # Dividing by a small f amplifies any error in T_lo: keep what the sample can
             # mean, a k-token forward costing at least this one and at most k/tokens of it.
             implied = min(max(implied, seconds), seconds * k / tokens)
-            self._add_at(k, context, silent, silent_pairs, implied, f * f, decay=self.forget)
+            self._add_at(k, context, silent, extra_pairs, implied, f * f, decay=self.forget)
             return True
-        self._add_at(k, context, silent, silent_pairs, float(seconds), 1.0, decay=self.forget)
+        self._add_at(k, context, silent, extra_pairs, float(seconds), 1.0, decay=self.forget)
         return True
 
-    def _prompt_s(self, silent: int, silent_pairs: int) -> float:
-        """-b s + e q: what silent tokens change of a forward's time."""
-        return self._pairs * silent_pairs / _PAIR_SCALE - self._silent * silent
+    def _prompt_s(self, silent: int, extra_pairs: int) -> float:
+        """-b s + e q: what silent tokens and extra pairs change of a forward's time."""
+        return self._pairs * extra_pairs / _PAIR_SCALE - self._silent * silent
 
     def _note_error(self, seconds: float, predicted: float) -> None:
         if seconds <= 0 or predicted <= 0:
@@ -343,17 +350,17 @@ class ForwardCostModel:
         """The context slope at bucket k, the same way (held at the last beyond the largest)."""
         return _interpolate(self._knots, self._slopes, k, extend=False)
 
-    def predict(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> float:
+    def predict(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> float:
         """Predicted forward seconds for `tokens` tokens over `context` tokens, `silent` of
-        them without logits and attending `silent_pairs` keys between them (0 with no
-        data)."""
+        them without logits, `extra_pairs` query-key pairs beyond one query per sequence (0
+        with no data)."""
         if self._dirty:
             self._solve()
-        key = (tokens, context, silent, silent_pairs)
+        key = (tokens, context, silent, extra_pairs)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        _check(tokens, context, silent, silent_pairs)
+        _check(tokens, context, silent, extra_pairs)
         k = bucket_of(tokens)
         value = self._g(k) + self._a(k) * context
         if k != tokens:
@@ -362,7 +369,7 @@ class ForwardCostModel:
             lo = k // 2
             low = self._g(lo) + self._a(lo) * context
             value = low + (value - low) * (tokens - lo) / (k - lo)
-        value = max(value, 0.0) + self._pairs * silent_pairs / _PAIR_SCALE
+        value = max(value, 0.0) + self._pairs * extra_pairs / _PAIR_SCALE
         value -= min(self._silent * silent, _MAX_SILENT_SAVING * value)
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
@@ -370,16 +377,16 @@ class ForwardCostModel:
         return value
 
     def best_padded(
-        self, tokens: int, context: int, max_tokens: int, silent: int = 0, silent_pairs: int = 0
+        self, tokens: int, context: int, max_tokens: int, silent: int = 0, extra_pairs: int = 0
     ) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted
         time, smallest on ties; `tokens` itself when max_tokens <= tokens. Padding rows are
         silent (they return no logits; their few pairs are not counted)."""
-        best, best_s = tokens, self.predict(tokens, context, silent, silent_pairs)
+        best, best_s = tokens, self.predict(tokens, context, silent, extra_pairs)
         m = tokens + 1
         while m <= max_tokens:
             if bucket_of(m) == m:
-                s = self.predict(m, context, silent + m - tokens, silent_pairs)
+                s = self.predict(m, context, silent + m - tokens, extra_pairs)
                 if s < best_s:
                     best, best_s = m, s
                 m += 1

@@ -348,3 +348,19 @@ def test_exploring_costs_at_most_its_budget_where_a_tree_token_costs_most_of_a_f
     # The same drafter with no limit on the credit: tried back to back, far over budget.
     _, unlimited = _explore_against(SchedulerConfig(policy="adaserve", explore_budget=1e9), 400)
     assert unlimited > 0.1, "the scenario does not exercise the credit"
+
+
+def test_a_node_of_a_long_request_is_priced_by_the_keys_it_attends():
+    """Tree nodes attend their request's whole context (cost_terms): where a query-key pair
+    costs 2.6 us (llama.cpp on this machine's two cores), a node 200 tokens into a request
+    pays and the same node 8,000 tokens in does not, at the same total context."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    cost = ForwardCostModel.from_coefficients(
+        {1: 0.010, 2: 0.012, 3: 0.014}, 0.0, weight=100.0, silent_pair_s=2.6e-6
+    )
+    tree = _tree([0.6])  # f = 0.6: +0.6 tokens for a node
+    ctl = _warm(SpeculationController(cfg, False, 16, cost))
+    kept, _ = ctl.prune([tree], [[0, 1]], [[0]], context=8200, cached=[200])
+    assert kept == [[0, 1]], "a node 200 tokens in (+2.5 ms for +0.6 tokens) should pay"
+    kept, _ = ctl.prune([tree], [[0, 1]], [[0]], context=8200, cached=[8000])
+    assert kept == [[0]], "a node 8,000 tokens in (+22.8 ms for +0.6 tokens) was kept"
