@@ -76,32 +76,33 @@ class ForwardBatch:
         ]
         return AttentionMetadata(self.query_lens, self.kv_lens, self.block_tables, masks)
 
-    def cost_terms(self) -> tuple[int, int]:
-        """(silent tokens, extra pairs): what a forward adds to the cost of one decode row per
-        sequence over the same context (control/cost_model.py).
+    def cost_terms(self) -> tuple[int, int, int]:
+        """(silent tokens, their pairs, tree pairs): what a forward adds to the cost of one
+        decode row per sequence over the same context (control/cost_model.py).
 
-        Silent tokens return no logits (prompt-chunk tokens). Extra pairs are the query-key
-        pairs attention computes beyond one query per sequence: every silent token's keys and
-        the keys of each logits token after its sequence's first (a tree's nodes past the
-        root, which the cost model's context term does not see: a 5-node tree 600 tokens into
-        a request attends ~3,000 keys where a decode row attends 600). A token at position p
-        attends p + 1 keys (a tree node: the context, its ancestors and itself).
+        Silent tokens return no logits (prompt-chunk tokens); their pairs are the query-key
+        pairs they compute. Tree pairs are those of each logits token after its sequence's
+        first (a tree's nodes past the root), which the cost model's context term does not
+        see: a 5-node tree 600 tokens into a request computes ~3,000 pairs where a decode row
+        computes 600. A token at position p attends p + 1 keys (a tree node: the context, its
+        ancestors and itself).
         """
         wanted = self.logits_indices
         out = set(range(len(self.token_ids)) if wanted is None else wanted)
-        silent = extra = 0
+        silent = silent_pairs = tree_pairs = 0
         start = 0
         for q in self.query_lens:
             first = True
             for i in range(start, start + q):
                 if i not in out:
                     silent += 1
+                    silent_pairs += self.positions[i] + 1
                 elif first:
                     first = False
-                    continue
-                extra += self.positions[i] + 1
+                else:
+                    tree_pairs += self.positions[i] + 1
             start += q
-        return silent, extra
+        return silent, silent_pairs, tree_pairs
 
 
 @dataclass

@@ -56,13 +56,12 @@ class Admission:
 
     # ------------------------------------------------------------------ predictions
     def iteration_s(
-        self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0
+        self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0
     ) -> float:
         """Predicted wall time of an iteration whose forward runs `tokens` tokens, `silent` of
-        them without logits (prompt-chunk tokens), `extra_pairs` query-key pairs beyond one
-        query per sequence (`ForwardBatch.cost_terms`)."""
+        them without logits (prompt-chunk tokens) computing `silent_pairs` query-key pairs."""
         assert self.cost is not None
-        return self.cost.predict(tokens, context, silent, extra_pairs) + self.host_s
+        return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
 
     def predicted_tpot_s(self, extra: int = 1) -> float | None:
         """Seconds per output token a request admitted now (with `extra` - 1 more after it)

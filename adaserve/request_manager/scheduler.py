@@ -355,14 +355,18 @@ class Scheduler:
                 )
         batch = builder.batch
         total = len(batch.token_ids)
-        silent, extra_pairs = batch.cost_terms()  # prompt chunks, tree nodes
+        silent, silent_pairs, tree_pairs = batch.cost_terms()  # prompt chunks, tree nodes
         pad = self.engine.target.supports_padding
-        pad_to = self.controller.pad_to(total, context, silent, extra_pairs) if pad else total
+        pad_to = (
+            self.controller.pad_to(total, context, silent, silent_pairs, tree_pairs)
+            if pad
+            else total
+        )
         chunk_context = sum(r.num_cached for r, _ in chunks)
         predicted = None
         if self.cost is not None:
             predicted = self.cost.predict(
-                pad_to, context + chunk_context, silent + pad_to - total, extra_pairs
+                pad_to, context + chunk_context, silent + pad_to - total, silent_pairs, tree_pairs
             )
         prefill_tokens = total - num_tree_tokens
         stats = IterationStats(
@@ -424,7 +428,7 @@ class Scheduler:
         stats = plan.stats
         stats.forward_s = out.forward_s
         if self.cost is not None:
-            silent, extra_pairs = plan.batch.cost_terms()
+            silent, silent_pairs, tree_pairs = plan.batch.cost_terms()
             total = len(plan.batch.token_ids)
             # Padding rows return no logits either.
             self.cost.observe(
@@ -432,7 +436,8 @@ class Scheduler:
                 plan.context + plan.chunk_context,
                 out.forward_s,
                 silent + plan.pad_to - total,
-                extra_pairs,
+                silent_pairs,
+                tree_pairs,
             )
         self._commit_draft_prefill(plan)
         self._chunk_features(plan, out)

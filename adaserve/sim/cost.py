@@ -182,11 +182,18 @@ class CostModel(ABC):
 
     @abstractmethod
     def seconds(
-        self, tokens: int, context: int, pairs: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        pairs: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> float:
         """One forward of `tokens` new tokens reading `context` cached entries (`pairs`
-        query-key pairs in all), `silent` of the tokens returning no logits; `extra_pairs`
-        of the pairs are beyond one query per sequence (`ForwardBatch.cost_terms`)."""
+        query-key pairs in all), `silent` of the tokens returning no logits and computing
+        `silent_pairs` of the pairs, tree nodes past their roots `tree_pairs`
+        (`ForwardBatch.cost_terms`)."""
 
     def scheduler_model(self, forget: float) -> ForwardCostModel | None:
         """The cost model the simulated server's scheduler starts with, when a real server
@@ -224,7 +231,13 @@ class RooflineCost(CostModel):
         self.kv_tokens = int(free // model.kv_bytes_per_token)
 
     def seconds(
-        self, tokens: int, context: int, pairs: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        pairs: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> float:
         # `pairs` has every token's attention; silent rows skip the LM head, 1-2% of these
         # models' weights per row: not modelled.
@@ -267,7 +280,13 @@ class TableCost(CostModel):
         return m0 + (tokens - t0) * (m1 - m0) / (t1 - t0)
 
     def seconds(
-        self, tokens: int, context: int, pairs: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        pairs: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> float:
         tokens = max(1, tokens)
         roof = self.context_of
@@ -306,10 +325,16 @@ class ProfileCost(CostModel):
         self.model, self.name, self.backend = model, name, backend
 
     def seconds(
-        self, tokens: int, context: int, pairs: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        pairs: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> float:
         tokens = max(1, tokens)
-        return self.model.predict(tokens, context, min(silent, tokens), extra_pairs)
+        return self.model.predict(tokens, context, min(silent, tokens), silent_pairs, tree_pairs)
 
     def scheduler_model(self, forget: float) -> ForwardCostModel:
         # A server started with this profile (`serve --profile`, or its cached start-up

@@ -129,9 +129,15 @@ class SimRunner:
         return self._spend(tokens, context, int(tokens * (context / max(1, num_seqs) + q)))
 
     def _spend(
-        self, tokens: int, context: int, pairs: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        pairs: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> float:
-        s = self.cost.seconds(tokens, context, pairs, silent, extra_pairs)
+        s = self.cost.seconds(tokens, context, pairs, silent, silent_pairs, tree_pairs)
         if self.noise is not None:
             s *= self.noise.factor(self.rng)
         self.clock.advance(s)
@@ -145,9 +151,9 @@ class SimRunner:
         pairs = sum(q * kv for kv, q in zip(batch.kv_lens, batch.query_lens))
         rows = range(n) if batch.logits_indices is None else batch.logits_indices
         padded = max(n, pad_to or 0)
-        silent, extra_pairs = batch.cost_terms()
+        silent, silent_pairs, tree_pairs = batch.cost_terms()
         # context as the real scheduler counts it: every sequence's cached tokens, once.
-        self._spend(padded, context, pairs, silent + padded - n, extra_pairs)
+        self._spend(padded, context, pairs, silent + padded - n, silent_pairs, tree_pairs)
         if not self.target or not rows:
             return None
         ids, pos = batch.token_ids, batch.positions

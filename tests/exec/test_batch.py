@@ -84,7 +84,7 @@ def test_tree_mask_rejects_parents_out_of_order() -> None:
         SequenceBatchBuilder().add([1, 2, 3], [0, 1, 2], 3, [0], tree=[-1, 0])
 
 
-def test_cost_terms_count_the_pairs_beyond_one_query_per_sequence() -> None:
+def test_cost_terms_count_chunk_and_tree_pairs_beyond_one_query_per_sequence() -> None:
     """A decode row adds nothing beyond the context term, a tree's nodes past its root add the
     keys they attend (their context, their ancestors, themselves), a prompt chunk's tokens are
     silent and add theirs."""
@@ -93,12 +93,11 @@ def test_cost_terms_count_the_pairs_beyond_one_query_per_sequence() -> None:
     b.add([1, 2, 3, 4], [600, 601, 601, 602], 604, [1], tree=[-1, 0, 0, 1])  # 4-node tree
     b.add([5, 6, 7], [0, 1, 2], 3, [2], logits="none")  # a prompt chunk
     b.add([8, 9], [3, 4], 5, [2], logits="last")  # its last chunk: one logits row
-    silent, extra = b.batch.cost_terms()
+    silent, silent_pairs, tree_pairs = b.batch.cost_terms()
     assert silent == 3 + 1, "the chunk tokens without logits are silent"
-    tree_pairs = 602 + 602 + 603  # nodes past the root at positions 601, 601, 602
-    chunk_pairs = 1 + 2 + 3 + 4  # positions 0, 1, 2 and 3 (the last chunk's silent token)
-    assert extra == tree_pairs + chunk_pairs
+    assert silent_pairs == 1 + 2 + 3 + 4, "chunk tokens at positions 0-3 attend 1-4 keys"
+    assert tree_pairs == 602 + 602 + 603, "nodes past the root at positions 601, 601, 602"
     plain = SequenceBatchBuilder()
     for pos in (10, 600, 2000):
         plain.add([1], [pos], pos + 1, [0])
-    assert plain.batch.cost_terms() == (0, 0), "decode rows attend only what c counts"
+    assert plain.batch.cost_terms() == (0, 0, 0), "decode rows attend only what c counts"

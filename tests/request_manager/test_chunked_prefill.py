@@ -164,7 +164,7 @@ CHUNK_ARGS = dict(
 )
 
 
-def linear_cost(tokens: int, context: int, silent: int, extra_pairs: int) -> float:
+def linear_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
     return 0.02 + 0.001 * tokens  # seconds
 
 
@@ -181,8 +181,8 @@ def test_largest_chunk_and_ttft_chunk_solve_their_inequalities():
 def test_prompt_tokens_are_priced_as_silent_rows_attending_their_prompt():
     # Prompt-chunk tokens return no logits (cheaper than decode tokens), and each attends
     # its prompt so far (dearer the deeper into a long prompt the chunk starts).
-    def prompt_cost(tokens: int, context: int, silent: int, extra_pairs: int) -> float:
-        return linear_cost(tokens, context, 0, 0) - 0.0005 * silent + 1e-7 * extra_pairs
+    def prompt_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+        return linear_cost(tokens, context, 0, 0) - 0.0005 * silent + 1e-7 * silent_pairs
 
     assert largest_chunk(prompt_cost, 4, 0, 0.1, 500) == 149  # 0.024 + 0.0005 c + 5e-8 c^2 ~
     deep = largest_chunk(prompt_cost, 4, 0, 0.1, 500, cached=2000)

@@ -44,7 +44,7 @@ class ConstantCost(CostModel):
     def __init__(self, seconds: float) -> None:
         self.s = seconds
 
-    def seconds(self, tokens, context, pairs, silent=0, extra_pairs=0) -> float:
+    def seconds(self, tokens, context, pairs, silent=0, silent_pairs=0, tree_pairs=0) -> float:
         return self.s
 
 
@@ -54,7 +54,7 @@ class LinearCost(CostModel):
     def __init__(self, base_s: float = 0.020) -> None:
         self.base_s = base_s
 
-    def seconds(self, tokens, context, pairs, silent=0, extra_pairs=0) -> float:
+    def seconds(self, tokens, context, pairs, silent=0, silent_pairs=0, tree_pairs=0) -> float:
         return self.base_s + 0.0005 * tokens + 1e-7 * context
 
 

@@ -171,15 +171,15 @@ class SpeculationController:
             self.draft_cost.observe(max(1, tokens_per_step), context, seconds / max(1, steps))
 
     # ------------------------------------------------------------------ 2. how deep?
-    def forward_s(self, tokens: int, context: int, extra_pairs: int = 0) -> float:
+    def forward_s(self, tokens: int, context: int, tree_pairs: int = 0) -> float:
         """Predicted target forward time of `tokens` tokens, at its cheapest padded size;
-        `extra_pairs`: the query-key pairs of its tree nodes past their roots (cost_terms)."""
+        `tree_pairs`: the query-key pairs of its tree nodes past their roots (cost_terms)."""
         cost = self.verify_cost
         padded = cost.best_padded(
-            tokens, context, max(tokens, self.max_pad_tokens), extra_pairs=extra_pairs
+            tokens, context, max(tokens, self.max_pad_tokens), tree_pairs=tree_pairs
         )
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
-        padded_s = cost.predict(padded, context, padded - tokens, extra_pairs)
+        padded_s = cost.predict(padded, context, padded - tokens, 0, tree_pairs)
         return max(padded_s, MIN_FORWARD_S)
 
     @staticmethod
@@ -192,22 +192,29 @@ class SpeculationController:
         """Nothing to learn here: t_spec comes from the cost model (`t_spec_s`)."""
         return None
 
-    def pad_to(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> int:
+    def pad_to(
+        self,
+        tokens: int,
+        context: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
+    ) -> int:
         """Tokens to run the verify forward at: padded when the cost model says it is cheaper.
 
         Only for a clear saving (pad_min_saving), and every pad_explore_every-th padded forward runs
         unpadded instead, so the cost of the exact size is measured again and a seed that was
         too high cannot keep us padding forever. `silent` tokens (prompt chunks riding along)
-        return no logits, as the padding rows return none; `extra_pairs` as in `cost_terms`.
+        return no logits, as the padding rows return none; the pairs as in `cost_terms`.
         """
         cost = self.verify_cost
         limit = max(tokens, self.max_pad_tokens)
-        best = cost.best_padded(tokens, context, limit, silent, extra_pairs)
+        best = cost.best_padded(tokens, context, limit, silent, silent_pairs, tree_pairs)
         if best == tokens:
             return tokens
         self.num_padded += 1
-        padded_s = cost.predict(best, context, silent + best - tokens, extra_pairs)
-        saving = 1.0 - padded_s / cost.predict(tokens, context, silent, extra_pairs)
+        padded_s = cost.predict(best, context, silent + best - tokens, silent_pairs, tree_pairs)
+        saving = 1.0 - padded_s / cost.predict(tokens, context, silent, silent_pairs, tree_pairs)
         if saving < self.cfg.pad_min_saving or self.num_padded % self.cfg.pad_explore_every == 0:
             return tokens
         return best
@@ -448,7 +455,14 @@ class NoControl:
         expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
         return [list(s) for s in selections], expected
 
-    def pad_to(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> int:
+    def pad_to(
+        self,
+        tokens: int,
+        context: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
+    ) -> int:
         return tokens
 
     def observe_verification(

@@ -2,24 +2,27 @@
 context slope per token count, and what prompt tokens and tree nodes cost apart from decode
 tokens.
 
-    T(n, c, s, q) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q,      a, b, e >= 0
+    T(n, c, s, q, t) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q + h * t,  a, b, e, h >= 0
 
 n is the number of tokens in the forward, c the context tokens its sequences attend (each
 sequence's cached tokens, once). s of the n tokens are silent: their logits are not computed
-(prompt-chunk tokens, padding), and q is the query-key pairs beyond one query per sequence
-(`ForwardBatch.cost_terms`): the keys the silent tokens attend (a chunk of m tokens after p
-cached ones: m p + m (m + 1) / 2) and those of each tree node past its root (a node at depth
-d of a request with p cached tokens attends p + d + 1). g is the cost with every row's logits.
-b is one output row's share (the LM head, vocab x hidden per row: on ggml, 4 decode + 16
-prompt tokens over 24 x 300 cached took 112 ms, the same 20 tokens all with logits 122 ms).
-e prices a chunk's attention, which c counts once per sequence while each chunk token does
-it: a 16-token chunk 1,000 tokens into its prompt does 16,000 query-key pairs where a decode
-token does 1,000. Without these two terms every decode iteration carrying a prompt chunk was
-priced as if its tokens were decode tokens (~10% high for small chunks near the start of a
-prompt, low for chunks deep in a long one). Tree nodes are the same case with logits: a
-3-node tree 1,500 tokens into one request took 32.8 ms on ggml where 3 decode rows over 3 x
-500 took 24.9 ms (the same c, 3x the pairs); before q counted them, every k-node tree was
-priced as k decode rows and a long request's trees looked as cheap as a short one's.
+(prompt-chunk tokens, padding), and q is the query-key pairs they compute (a chunk of m tokens
+after p cached ones: m p + m (m + 1) / 2). t is the pairs of each tree node past its root (a
+node at depth d of a request with p cached tokens attends p + d + 1 keys), which c, counting
+the request once, does not see (`ForwardBatch.cost_terms` counts s, q and t). g is the cost
+with every row's logits. b is one output row's share (the LM head, vocab x hidden per row: on
+ggml, 4 decode + 16 prompt tokens over 24 x 300 cached took 112 ms, the same 20 tokens all
+with logits 122 ms). e prices a chunk's attention, which c counts once per sequence while each
+chunk token does it: a 16-token chunk 1,000 tokens into its prompt does 16,000 query-key pairs
+where a decode token does 1,000. Without these two terms every decode iteration carrying a
+prompt chunk was priced as if its tokens were decode tokens (~10% high for small chunks near
+the start of a prompt, low for chunks deep in a long one). h is the same for tree nodes, and
+is its own coefficient because the two differ: on ggml a 3-node tree 1,500 tokens into one
+request took 32.8 ms where 3 decode rows over 3 x 500 took 24.9 ms (~2.6 us per extra pair),
+while a chunk's pair costs about half that. Without t a k-node tree was priced as k decode
+rows; with t in e, one coefficient fitted on both overpriced big chunks' pairs and the big
+buckets' g was fitted low to make up (a 512-token prompt alone priced at 1.4 ms per token
+against ~4 measured).
 
 bucket(n) is n for n <= 32 and the next power of two above; a sample of 40 tokens counts
 in bucket 64, and a prediction for 40 tokens interpolates between buckets 32 and 64.
@@ -30,16 +33,17 @@ about k c. One shared slope, fitted mostly on prefill chunks, priced a decode it
 long contexts at seconds (2.2 s predicted for a 120 ms forward).
 
 Fit: weighted least squares with exponential forgetting, kept as sufficient statistics per
-bucket k: the weighted moments M_k = sum_i w_i v_i v_i^T of v = (1, x, z, u, y) over its
-samples (x = c / 1024, z = s, u = q / 65536, y seconds). A new sample in bucket k first
-multiplies bucket k's moments by `forget`. Forgetting is per bucket, not global, so a rarely
-used bucket keeps its value instead of fading because others were busy.
+bucket k: the weighted moments M_k = sum_i w_i v_i v_i^T of v = (1, x, z, u, t', y) over its
+samples (x = c / 1024, z = s, u = q / 65536, t' = t / 65536, y seconds). A new sample in
+bucket k first multiplies bucket k's moments by `forget`. Forgetting is per bucket, not
+global, so a rarely used bucket keeps its value instead of fading because others were busy.
 
-b and e come first, shared by every bucket: in each bucket the spreads of z, u and y with
-the intercept and x taken out (Frisch-Waugh), summed over buckets, give a 2 x 2 ridge least
-squares for (-b, e) (toward a stored model's values, else 0; each ridge worth one sample 2
-rows or 6,554 pairs off its bucket's mean; a coefficient of the wrong sign is held at 0 and
-the other refitted alone). Then each bucket is fitted on y' = y + b z - e u, minimising
+b, e and h come first, shared by every bucket: in each bucket the spreads of z, u, t' and y
+with the intercept and x taken out (Frisch-Waugh), summed over buckets, give a 3 x 3 ridge
+least squares for (-b, e, h) (toward a stored model's values, else 0; each ridge worth one
+sample 2 rows or 6,554 pairs off its bucket's mean); of the solutions with some coefficients
+held at 0 and the others solved exactly, the best one whose signs are right is kept. Then
+each bucket is fitted on y' = y + b z - e u - h t', minimising
 sum_i w_i (g_k + a_k x_i - y'_i)^2 + lambda (a_k - a_0)^2, with W, X, XX, Y', XY' its sums
 of w, w x, w x^2, w y', w x y':
 
@@ -70,11 +74,12 @@ from typing import Any, TypedDict
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
-_PAIR_SCALE = 65536.0  # extra query-key pairs (cost_terms) counted in units of this
+_PAIR_SCALE = 65536.0  # query-key pairs (cost_terms) counted in units of this
 _SILENT_RIDGE = 4.0  # pseudo-weight pulling b to its prior: one sample 2 silent rows off
-_PAIR_RIDGE = 0.01  # pseudo-weight pulling e to its prior: one sample 6,554 pairs off
+_PAIR_RIDGE = 0.01  # pseudo-weight pulling e (and h) to its prior: one sample 6,554 pairs off
 _MAX_SILENT_SAVING = 0.5  # silent rows take at most this share off a forward's time
-_ONE, _X, _Z, _U, _Y = range(5)  # the sample vector v's entries
+_ONE, _X, _Z, _U, _T, _Y = range(6)  # the sample vector v's entries
+_SHARED = (_Z, _U, _T)  # the entries whose coefficients (-b, e, h) every bucket shares
 
 
 class CostCoefficients(TypedDict):
@@ -85,6 +90,7 @@ class CostCoefficients(TypedDict):
     slope_s_per_token: float  # the buckets' slopes pooled (weighted by their context spread)
     silent_row_s: float  # b: seconds saved per token that returns no logits
     silent_pair_s: float  # e: seconds per query-key pair of the silent tokens
+    tree_pair_s: float  # h: seconds per query-key pair of tree nodes past their root
 
 
 def bucket_of(tokens: int) -> int:
@@ -94,15 +100,17 @@ def bucket_of(tokens: int) -> int:
     return 1 << (tokens - 1).bit_length()
 
 
-def _check(tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> None:
+def _check(
+    tokens: int, context: int, silent: int = 0, silent_pairs: int = 0, tree_pairs: int = 0
+) -> None:
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     if context < 0:
         raise ValueError(f"context must be >= 0, got {context}")
     if not 0 <= silent <= tokens:
         raise ValueError(f"silent tokens must be in [0, {tokens}], got {silent}")
-    if extra_pairs < 0:
-        raise ValueError(f"extra_pairs must be >= 0, got {extra_pairs}")
+    if silent_pairs < 0 or tree_pairs < 0:
+        raise ValueError(f"pairs must be >= 0, got {silent_pairs} and {tree_pairs}")
 
 
 _MEMO_SIZE = 4096
@@ -116,8 +124,8 @@ ERROR_LEVELS = (
 
 
 class ForwardCostModel:
-    """Online T(n, c, s, q) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q for one model
-    runner, in seconds."""
+    """Online T(n, c, s, q, t) = g(bucket(n)) + a(bucket(n)) * c - b * s + e * q + h * t for one
+    model runner, in seconds."""
 
     def __init__(
         self,
@@ -136,9 +144,9 @@ class ForwardCostModel:
         # This many rejections in a row in one bucket means the cost really changed: accept.
         self.max_consecutive_outliers = max_consecutive_outliers
         self._stats: dict[int, list[list[float]]] = {}  # bucket -> M, 5 x 5 moments of v
-        # bucket -> its share of the pooled fit of b and e (_residual_moments), until it
+        # bucket -> its share of the pooled fit of b, e and h (_residual_moments), until it
         # changes: a fit runs every iteration, a sample changes one bucket.
-        self._residuals: dict[int, tuple[float, ...]] = {}
+        self._residuals: dict[int, tuple[list[list[float]], list[float]]] = {}
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
@@ -146,8 +154,8 @@ class ForwardCostModel:
         self._slope_weight = _SLOPE_RIDGE
         # b and e, their priors (b_0, e_0) and ridge weights: seconds per silent token and per
         # _PAIR_SCALE extra pairs
-        self._silent, self._pairs = 0.0, 0.0
-        self._silent_prior, self._pairs_prior = 0.0, 0.0
+        self._silent, self._pairs, self._tree = 0.0, 0.0, 0.0
+        self._silent_prior, self._pairs_prior, self._tree_prior = 0.0, 0.0, 0.0
         self._silent_weight, self._pairs_weight = _SILENT_RIDGE, _PAIR_RIDGE
         self.num_observations = 0
         self.num_rejected = 0
@@ -159,9 +167,10 @@ class ForwardCostModel:
         self._knots: list[int] = []  # known buckets, ascending
         self._values: list[float] = []  # g at the knots, seconds
         self._slopes: list[float] = []  # a at the knots, seconds per context token
-        # (tokens, context, silent, pairs) -> predicted seconds, until the next fit: selection
-        # and pruning ask for the same few shapes thousands of times per iteration.
-        self._memo: dict[tuple[int, int, int, int], float] = {}
+        # (tokens, context, silent, pairs, tree pairs) -> predicted seconds, until the next
+        # fit: selection and pruning ask for the same few shapes thousands of times per
+        # iteration.
+        self._memo: dict[tuple[int, int, int, int, int], float] = {}
 
     # ---- data in -------------------------------------------------------------------------
 
@@ -170,16 +179,24 @@ class ForwardCostModel:
         k: int,
         context: float,
         silent: int,
-        extra_pairs: int,
+        silent_pairs: int,
+        tree_pairs: int,
         seconds: float,
         weight: float,
         decay: float,
     ) -> None:
-        v = (1.0, context / _CONTEXT_SCALE, float(silent), extra_pairs / _PAIR_SCALE, seconds)
-        m = self._stats.setdefault(k, [[0.0] * 5 for _ in range(5)])
+        v = (
+            1.0,
+            context / _CONTEXT_SCALE,
+            float(silent),
+            silent_pairs / _PAIR_SCALE,
+            tree_pairs / _PAIR_SCALE,
+            seconds,
+        )
+        m = self._stats.setdefault(k, [[0.0] * 6 for _ in range(6)])
         for i, row in enumerate(m):
             wv = weight * v[i]
-            for j in range(5):
+            for j in range(6):
                 row[j] = row[j] * decay + wv * v[j]
         self._residuals.pop(k, None)
         self._dirty = True
@@ -190,20 +207,26 @@ class ForwardCostModel:
             raise ValueError(f"seed weight must be > 0, got {weight}")
         for tokens, context, seconds in points:
             _check(tokens, context)
-            self._add_at(bucket_of(tokens), context, 0, 0, float(seconds), weight, decay=1.0)
+            self._add_at(bucket_of(tokens), context, 0, 0, 0, float(seconds), weight, decay=1.0)
 
     def observe(
-        self, tokens: int, context: int, seconds: float, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        seconds: float,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> bool:
-        """Add one measured forward of `tokens` tokens, `silent` of them without logits, with
-        `extra_pairs` query-key pairs beyond one query per sequence (`ForwardBatch.cost_terms`);
-        False if it was rejected as an outlier."""
-        _check(tokens, context, silent, extra_pairs)
+        """Add one measured forward of `tokens` tokens, `silent` of them without logits and
+        computing `silent_pairs` query-key pairs, its tree nodes past their roots `tree_pairs`
+        (`ForwardBatch.cost_terms`); False if it was rejected as an outlier."""
+        _check(tokens, context, silent, silent_pairs, tree_pairs)
         if not seconds >= 0 or seconds == float("inf"):
             raise ValueError(f"seconds must be a finite time >= 0, got {seconds}")
         k = bucket_of(tokens)
         if self._counts.get(k, 0) >= self.min_observations_for_outliers:
-            predicted = self.predict(tokens, context, silent, extra_pairs)
+            predicted = self.predict(tokens, context, silent, silent_pairs, tree_pairs)
             self._note_error(seconds, predicted)
             limit = self.outlier_factor * predicted
             streak = self._streak.get(k, 0)
@@ -228,19 +251,30 @@ class ForwardCostModel:
             # them.)
             if self._dirty:
                 self._solve()
-            low = self._g(lo) + self._a(lo) * context + self._prompt_s(silent, extra_pairs)
+            low = (
+                self._g(lo)
+                + self._a(lo) * context
+                + self._shared_s(silent, silent_pairs, tree_pairs)
+            )
             implied = (seconds - (1.0 - f) * low) / f
             # Dividing by a small f amplifies any error in T_lo: keep what the sample can
             # mean, a k-token forward costing at least this one and at most k/tokens of it.
             implied = min(max(implied, seconds), seconds * k / tokens)
-            self._add_at(k, context, silent, extra_pairs, implied, f * f, decay=self.forget)
+            self._add_at(
+                k, context, silent, silent_pairs, tree_pairs, implied, f * f, decay=self.forget
+            )
             return True
-        self._add_at(k, context, silent, extra_pairs, float(seconds), 1.0, decay=self.forget)
+        self._add_at(
+            k, context, silent, silent_pairs, tree_pairs, float(seconds), 1.0, decay=self.forget
+        )
         return True
 
-    def _prompt_s(self, silent: int, extra_pairs: int) -> float:
-        """-b s + e q: what silent tokens and extra pairs change of a forward's time."""
-        return self._pairs * extra_pairs / _PAIR_SCALE - self._silent * silent
+    def _shared_s(self, silent: int, silent_pairs: int, tree_pairs: int) -> float:
+        """-b s + e q + h t: what silent tokens and the pairs beyond one query per sequence
+        change of a forward's time."""
+        return (
+            self._pairs * silent_pairs + self._tree * tree_pairs
+        ) / _PAIR_SCALE - self._silent * silent
 
     def _note_error(self, seconds: float, predicted: float) -> None:
         if seconds <= 0 or predicted <= 0:
@@ -268,41 +302,53 @@ class ForwardCostModel:
 
     # ---- fit -----------------------------------------------------------------------------
 
-    def _solve_silent(self) -> tuple[float, float]:
-        """(b, e), pooled over buckets (see the module docstring)."""
-        rzz = rzu = ruu = rzy = ruy = 0.0  # residual moments of (z, u) and y, summed
+    def _solve_shared(self) -> tuple[float, float, float]:
+        """(b, e, h), pooled over buckets (see the module docstring)."""
+        a = [[0.0] * 3 for _ in range(3)]  # residual moments of (z, u, t), summed
+        r = [0.0] * 3  # and of (z, u, t) with y
         for k, m in self._stats.items():
             res = self._residuals.get(k)
             if res is None:
                 res = self._residuals[k] = _residual_moments(m)
-            rzz, rzu, ruu = rzz + res[0], rzu + res[1], ruu + res[2]
-            rzy, ruy = rzy + res[3], ruy + res[4]
-        lz, lu = self._silent_weight, self._pairs_weight
-        pz, pu = -self._silent_prior, self._pairs_prior
-        azz, azu, auu = max(rzz, 0.0) + lz, rzu, max(ruu, 0.0) + lu
-        bz, bu = rzy + lz * pz, ruy + lu * pu
-        det = azz * auu - azu * azu
-        if det > 0:
-            cz, cu = (bz * auu - bu * azu) / det, (bu * azz - bz * azu) / det
-            if cz <= 0 and cu >= 0:
-                return -cz, cu
-        # A coefficient of the wrong sign is held at 0 and the other fitted alone.
-        cz, cu = min(bz / azz, 0.0), max(bu / auu, 0.0)
-        alone_z = (bz * cz - 0.5 * azz * cz * cz) if cz else 0.0  # objective gains
-        alone_u = (bu * cu - 0.5 * auu * cu * cu) if cu else 0.0
-        return (-cz, 0.0) if alone_z >= alone_u else (0.0, cu)
+            spread, cov = res
+            for i in range(3):
+                r[i] += cov[i]
+                for j in range(3):
+                    a[i][j] += spread[i][j]
+        ridge = (self._silent_weight, self._pairs_weight, self._pairs_weight)
+        prior = (-self._silent_prior, self._pairs_prior, self._tree_prior)
+        for i in range(3):
+            a[i][i] = max(a[i][i], 0.0) + ridge[i]
+            r[i] += ridge[i] * prior[i]
+        # Maximise r.c - c.A.c / 2 with c = (-b, e, h), b, e, h >= 0: every set of free
+        # coefficients (the others held at 0) solved exactly, the best one of the right signs.
+        sign = (-1.0, 1.0, 1.0)
+        best, best_gain = (0.0, 0.0, 0.0), 0.0
+        for free in _SUBSETS:
+            c = _solve_small([[a[i][j] for j in free] for i in free], [r[i] for i in free])
+            if c is None or any(sign[i] * ci < 0 for i, ci in zip(free, c)):
+                continue
+            full = [0.0, 0.0, 0.0]
+            for i, ci in zip(free, c):
+                full[i] = ci
+            gain = sum(r[i] * full[i] for i in range(3)) - 0.5 * sum(
+                full[i] * a[i][j] * full[j] for i in range(3) for j in range(3)
+            )
+            if gain > best_gain:
+                best, best_gain = (full[0], full[1], full[2]), gain
+        return -best[0], best[1], best[2]
 
     def _solve(self) -> None:
         self._knots = sorted(self._stats)
         lam = self._slope_weight
-        b, e = self._silent, self._pairs = self._solve_silent()
-        # Each bucket fits y + b z - e u: its times as if every row had been a decode row.
+        b, e, h = self._silent, self._pairs, self._tree = self._solve_shared()
+        # Each bucket fits y + b z - e u - h t: its times as if every row had been a decode row.
         adjusted = {}
         for k in self._knots:
             m = self._stats[k]
             one, mx = m[_ONE], m[_X]
-            y = one[_Y] + b * one[_Z] - e * one[_U]
-            xy = mx[_Y] + b * mx[_Z] - e * mx[_U]
+            y = one[_Y] + b * one[_Z] - e * one[_U] - h * one[_T]
+            xy = mx[_Y] + b * mx[_Z] - e * mx[_U] - h * mx[_T]
             adjusted[k] = (one[_ONE], one[_X], mx[_X], y, xy)
         # First pass: each bucket's own slope (toward the stored prior) and its context spread.
         fits = {}
@@ -350,17 +396,24 @@ class ForwardCostModel:
         """The context slope at bucket k, the same way (held at the last beyond the largest)."""
         return _interpolate(self._knots, self._slopes, k, extend=False)
 
-    def predict(self, tokens: int, context: int, silent: int = 0, extra_pairs: int = 0) -> float:
+    def predict(
+        self,
+        tokens: int,
+        context: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
+    ) -> float:
         """Predicted forward seconds for `tokens` tokens over `context` tokens, `silent` of
-        them without logits, `extra_pairs` query-key pairs beyond one query per sequence (0
-        with no data)."""
+        them without logits and computing `silent_pairs` query-key pairs, tree nodes past
+        their roots computing `tree_pairs` (0 with no data)."""
         if self._dirty:
             self._solve()
-        key = (tokens, context, silent, extra_pairs)
+        key = (tokens, context, silent, silent_pairs, tree_pairs)
         hit = self._memo.get(key)
         if hit is not None:
             return hit
-        _check(tokens, context, silent, extra_pairs)
+        _check(tokens, context, silent, silent_pairs, tree_pairs)
         k = bucket_of(tokens)
         value = self._g(k) + self._a(k) * context
         if k != tokens:
@@ -369,7 +422,9 @@ class ForwardCostModel:
             lo = k // 2
             low = self._g(lo) + self._a(lo) * context
             value = low + (value - low) * (tokens - lo) / (k - lo)
-        value = max(value, 0.0) + self._pairs * extra_pairs / _PAIR_SCALE
+        value = (
+            max(value, 0.0) + (self._pairs * silent_pairs + self._tree * tree_pairs) / _PAIR_SCALE
+        )
         value -= min(self._silent * silent, _MAX_SILENT_SAVING * value)
         if len(self._memo) >= _MEMO_SIZE:
             self._memo.clear()
@@ -377,16 +432,22 @@ class ForwardCostModel:
         return value
 
     def best_padded(
-        self, tokens: int, context: int, max_tokens: int, silent: int = 0, extra_pairs: int = 0
+        self,
+        tokens: int,
+        context: int,
+        max_tokens: int,
+        silent: int = 0,
+        silent_pairs: int = 0,
+        tree_pairs: int = 0,
     ) -> int:
         """Token count in [tokens, max_tokens] (tokens or a bucket size) with the least predicted
         time, smallest on ties; `tokens` itself when max_tokens <= tokens. Padding rows are
         silent (they return no logits; their few pairs are not counted)."""
-        best, best_s = tokens, self.predict(tokens, context, silent, extra_pairs)
+        best, best_s = tokens, self.predict(tokens, context, silent, silent_pairs, tree_pairs)
         m = tokens + 1
         while m <= max_tokens:
             if bucket_of(m) == m:
-                s = self.predict(m, context, silent + m - tokens, extra_pairs)
+                s = self.predict(m, context, silent + m - tokens, silent_pairs, tree_pairs)
                 if s < best_s:
                     best, best_s = m, s
                 m += 1
@@ -406,6 +467,7 @@ class ForwardCostModel:
             "slope_s_per_token": self._slope,
             "silent_row_s": self._silent,
             "silent_pair_s": self._pairs / _PAIR_SCALE,
+            "tree_pair_s": self._tree / _PAIR_SCALE,
         }
 
     @classmethod
@@ -416,15 +478,17 @@ class ForwardCostModel:
         weight: float = 3.0,
         silent_row_s: float = 0.0,
         silent_pair_s: float = 0.0,
+        tree_pair_s: float = 0.0,
         **kwargs: Any,
     ) -> ForwardCostModel:
         """A model seeded with a profile: each g value and its bucket's slope (one slope for
-        every bucket, or one per bucket) count as `weight` samples; `silent_row_s` and
-        `silent_pair_s` are b's and e's priors (they hold until forwards with silent tokens
-        are observed)."""
-        if silent_row_s < 0 or silent_pair_s < 0:
+        every bucket, or one per bucket) count as `weight` samples; `silent_row_s`,
+        `silent_pair_s` and `tree_pair_s` are b's, e's and h's priors (they hold until
+        forwards with silent tokens or trees are observed)."""
+        if min(silent_row_s, silent_pair_s, tree_pair_s) < 0:
             raise ValueError(
-                f"silent_row_s and silent_pair_s must be >= 0, got {silent_row_s}, {silent_pair_s}"
+                "silent_row_s, silent_pair_s and tree_pair_s must be >= 0, got "
+                f"{silent_row_s}, {silent_pair_s}, {tree_pair_s}"
             )
         slopes = (
             dict(slope_s_per_token)
@@ -441,6 +505,7 @@ class ForwardCostModel:
         model._slope_weight = weight
         model._silent_prior = float(silent_row_s)
         model._pairs_prior = float(silent_pair_s) * _PAIR_SCALE
+        model._tree_prior = float(tree_pair_s) * _PAIR_SCALE
         model._silent_weight = _SILENT_RIDGE * weight
         model._pairs_weight = _PAIR_RIDGE * weight
         return model
@@ -454,6 +519,7 @@ class ForwardCostModel:
             "slope_s_per_token": coef["slope_s_per_token"],
             "silent_row_s": coef["silent_row_s"],
             "silent_pair_s": coef["silent_pair_s"],
+            "tree_pair_s": coef["tree_pair_s"],
         }
         n, mean, sigma = self.prediction_error()
         if n:
@@ -469,29 +535,57 @@ class ForwardCostModel:
     def from_json(cls, text: str, weight: float = 3.0, **kwargs: Any) -> ForwardCostModel:
         """Inverse of to_json: a model seeded with the stored coefficients (a model stored
         before per-bucket slopes gives its one slope to every bucket; one stored before b
-        has b = e = 0)."""
+        has b = e = 0, one before h has h = 0)."""
         data = json.loads(text)
         g_s = {int(k): float(v) for k, v in data["g_s"].items()}
-        silent = float(data.get("silent_row_s", 0.0)), float(data.get("silent_pair_s", 0.0))
+        silent = (
+            float(data.get("silent_row_s", 0.0)),
+            float(data.get("silent_pair_s", 0.0)),
+            float(data.get("tree_pair_s", 0.0)),
+        )
         slopes: float | dict[int, float] = float(data["slope_s_per_token"])
         if "slopes_s_per_token" in data:
             slopes = {int(k): float(v) for k, v in data["slopes_s_per_token"].items()}
         return cls.from_coefficients(g_s, slopes, weight, *silent, **kwargs)
 
 
-def _residual_moments(m: list[list[float]]) -> tuple[float, ...]:
-    """(zz, zu, uu, zy, uy): one bucket's spreads of z, u and y about its means, with what
-    its context x explains taken out (the bucket's term in the pooled fit of b and e)."""
+def _residual_moments(m: list[list[float]]) -> tuple[list[list[float]], list[float]]:
+    """One bucket's spreads of (z, u, t) about their means, and their covariances with y, with
+    what its context x explains taken out (the bucket's term in the pooled fit of b, e, h)."""
     w, first = m[_ONE][_ONE], m[_ONE]
 
     def spread(i: int, j: int) -> float:
         return m[i][j] - first[i] * first[j] / w
 
     sxx = spread(_X, _X)
-    pairs = ((_Z, _Z), (_Z, _U), (_U, _U), (_Z, _Y), (_U, _Y))
-    if sxx <= 1e-12 * w:  # the context barely varied: nothing to take out
-        return tuple(spread(i, j) for i, j in pairs)
-    return tuple(spread(i, j) - spread(_X, i) * spread(_X, j) / sxx for i, j in pairs)
+
+    def resid(i: int, j: int) -> float:
+        if sxx <= 1e-12 * w:  # the context barely varied: nothing to take out
+            return spread(i, j)
+        return spread(i, j) - spread(_X, i) * spread(_X, j) / sxx
+
+    return [[resid(i, j) for j in _SHARED] for i in _SHARED], [resid(i, _Y) for i in _SHARED]
+
+
+# Which of (b, e, h) a fit leaves free, every combination (the others held at 0).
+_SUBSETS = ((0, 1, 2), (0, 1), (0, 2), (1, 2), (0,), (1,), (2,))
+
+
+def _solve_small(a: list[list[float]], r: list[float]) -> list[float] | None:
+    """x with a x = r for a small symmetric positive system (None if singular)."""
+    n = len(r)
+    m = [row[:] + [r[i]] for i, row in enumerate(a)]
+    for col in range(n):
+        piv = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if abs(m[piv][col]) < 1e-18:
+            return None
+        m[col], m[piv] = m[piv], m[col]
+        for i in range(n):
+            if i != col:
+                f = m[i][col] / m[col][col]
+                for j in range(col, n + 1):
+                    m[i][j] -= f * m[col][j]
+    return [m[i][n] / m[i][i] for i in range(n)]
 
 
 def _interpolate(knots: list[int], values: list[float], k: int, extend: bool) -> float:

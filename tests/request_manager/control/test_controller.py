@@ -356,7 +356,7 @@ def test_a_node_of_a_long_request_is_priced_by_the_keys_it_attends():
     pays and the same node 8,000 tokens in does not, at the same total context."""
     cfg = SchedulerConfig(policy="adaserve", budget=16)
     cost = ForwardCostModel.from_coefficients(
-        {1: 0.010, 2: 0.012, 3: 0.014}, 0.0, weight=100.0, silent_pair_s=2.6e-6
+        {1: 0.010, 2: 0.012, 3: 0.014}, 0.0, weight=100.0, tree_pair_s=2.6e-6
     )
     tree = _tree([0.6])  # f = 0.6: +0.6 tokens for a node
     ctl = _warm(SpeculationController(cfg, False, 16, cost))

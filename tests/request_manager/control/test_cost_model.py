@@ -236,6 +236,52 @@ def test_prompt_tokens_are_priced_apart_from_decode_tokens():
         model.predict(4, 0, 5)
 
 
+def test_tree_pairs_and_prompt_pairs_are_priced_apart():
+    """On llama.cpp a tree node's query-key pair costs about twice a prompt-chunk token's
+    (~2.6 us against ~1.3 us here): one shared coefficient fitted on both overprices big
+    chunks and underprices deep trees. A server verifying trees next to prompt chunks learns
+    both, and a 512-token prompt alone is priced as its chunks taught, not as the trees."""
+    chunk_pair_s, tree_pair_s = 1.3e-6, 2.6e-6
+    model, rng = ForwardCostModel(), random.Random(5)
+
+    def g(n: int) -> float:
+        return 0.010 + 0.0035 * n
+
+    def true(n: int, context: int, silent: int, pairs: int, tree: int) -> float:
+        return g(n) + SLOPE * context + chunk_pair_s * pairs + tree_pair_s * tree
+
+    for _ in range(2000):
+        kind = rng.choice(("decode", "tree", "chunk", "prompt"))
+        if kind == "decode":  # one row per request
+            n = rng.randint(1, 8)
+            shape = (n, n * rng.randint(100, 1500), 0, 0, 0)
+        elif kind == "tree":  # one request's root and k nodes, p tokens in
+            k, p = rng.randint(1, 4), rng.randint(100, 1500)
+            shape = (1 + k, p, 0, 0, k * (p + 2))
+        elif kind == "chunk":  # a decode row with a chunk of m tokens, c tokens in
+            m, c = rng.randint(1, 24), rng.randint(0, 1500)
+            shape = (1 + m, 500 + c, m, m * c + m * (m + 1) // 2, 0)
+        else:  # a whole prompt alone
+            m = rng.choice((64, 128, 256, 512))
+            shape = (m, 0, m - 1, m * (m + 1) // 2, 0)
+        n, context, silent, pairs, tree = shape
+        t = true(*shape) * rng.uniform(0.98, 1.02)
+        model.observe(n, context, t, silent, pairs, tree)
+    coef = model.coefficients()
+    assert coef["silent_pair_s"] == pytest.approx(chunk_pair_s, rel=0.15), "e, per chunk pair"
+    assert coef["tree_pair_s"] == pytest.approx(tree_pair_s, rel=0.15), "h, per tree pair"
+    prompt = 512 * 513 // 2
+    want = true(512, 0, 511, prompt, 0)
+    got = model.predict(512, 0, 511, prompt)
+    assert got == pytest.approx(want, rel=0.05), f"a 512-token prompt: {got:.3f} s, true {want:.3f}"
+    deep = 3 * 1402  # three nodes past the root, 1,400 tokens in
+    assert model.predict(4, 1400, 0, 0, deep) == pytest.approx(true(4, 1400, 0, 0, deep), rel=0.05)
+    again = ForwardCostModel.from_json(model.to_json())
+    assert again.predict(4, 1400, 0, 0, deep) == pytest.approx(
+        model.predict(4, 1400, 0, 0, deep), rel=0.02
+    ), "h lost in the JSON round trip"
+
+
 def test_silent_tokens_never_take_more_than_half_a_forward():
     # Few mixed forwards can fit a b too steep for a big chunk: it stays a real cost.
     model = ForwardCostModel.from_coefficients({1: 0.01, 256: 0.05}, 0.0, silent_row_s=0.001)
