@@ -11,7 +11,10 @@ iteration that ran a forward:
      "predicted_forward_s": the cost model's forward time (null without one),
      "forward_s": measured forward, "draft_s", "select_s", "host_s": time outside forwards
      since the last iteration (null after idle), "total_s": the iteration,
-     "behind_pace": ids of decoding requests behind their SLO pace when it began}
+     "behind_pace": ids of decoding requests behind their SLO pace when it began,
+     "cost_inputs": what the cost model observed the forward as: {"tokens" (padded),
+     "context", "silent" (with padding rows), "silent_pairs", "tree_pairs"}, so a fit can be
+     redone offline (`ForwardBatch.cost_terms`)}
 
 `python -m adaserve.bench.timeline FILE --out PNG` plots it: where the time goes, and how
 far forwards stray from their prediction.
@@ -55,6 +58,8 @@ class IterationTimeline:
     def record(self, plan: IterationPlan) -> None:
         """The plan of an iteration that ran, once its commit filled the stats."""
         s = plan.stats
+        silent, silent_pairs, tree_pairs = plan.batch.cost_terms()
+        padding = plan.pad_to - len(plan.batch.token_ids)
         self.lines.append(
             {
                 "t": round(plan.started_s, 6),
@@ -73,6 +78,13 @@ class IterationTimeline:
                 "host_s": s.host_s,
                 "total_s": s.total_s,
                 "behind_pace": behind_pace(plan.decoding, plan.started_s, self.pace_margin),
+                "cost_inputs": {
+                    "tokens": plan.pad_to,
+                    "context": plan.context + plan.chunk_context,
+                    "silent": silent + padding,
+                    "silent_pairs": silent_pairs,
+                    "tree_pairs": tree_pairs,
+                },
             }
         )
 

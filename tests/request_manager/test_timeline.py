@@ -43,6 +43,11 @@ def test_timeline_lines_equal_the_scheduler_stats_and_plot(tiny_llama, tmp_path)
         assert row["predicted_forward_s"] is not None and row["predicted_forward_s"] > 0
         decoding = s.num_requests if s.kind == "decode" else 0
         assert row["decode_rows"] == decoding
+        cost = row["cost_inputs"]  # what the cost model observed
+        assert cost["tokens"] == row["padded_tokens"] and 0 <= cost["silent"] <= cost["tokens"]
+        assert (cost["tree_pairs"] > 0) == (row["tree_tokens"] > 0), "tree nodes past a root"
+        if cost["silent_pairs"]:
+            assert row["prompt_tokens"], "pairs of silent tokens without a prompt chunk"
     assert sum(sum(r["prompt_tokens"].values()) for r in rows) == sum(map(len, prompts))
     summary = summarize_timeline(rows)
     assert summary["iterations"] == len(rows) and 0 <= summary["host_share"] < 1
