@@ -20,9 +20,10 @@ the start of a prompt, low for chunks deep in a long one). h is the same for tre
 is its own coefficient because the two differ: on ggml a 3-node tree 1,500 tokens into one
 request took 32.8 ms where 3 decode rows over 3 x 500 took 24.9 ms (~2.6 us per extra pair),
 while a chunk's pair costs about half that. Without t a k-node tree was priced as k decode
-rows; with t in e, one coefficient fitted on both overpriced big chunks' pairs and the big
-buckets' g was fitted low to make up (a 512-token prompt alone priced at 1.4 ms per token
-against ~4 measured).
+rows; with t in e, one coefficient fitted on both (4.2 us on a speculating ggml server)
+overpriced big chunks' pairs and the big buckets' g was fitted low to make up (its prompts
+alone priced up to 40% lower than before, 1.6-2.1 ms per token at 256-875 against ~3.7
+measured).
 
 bucket(n) is n for n <= 32 and the next power of two above; a sample of 40 tokens counts
 in bucket 64, and a prediction for 40 tokens interpolates between buckets 32 and 64.
