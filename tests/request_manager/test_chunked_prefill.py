@@ -75,9 +75,12 @@ def test_the_cost_model_learns_prompt_tokens_as_silent(target):
     cost, seen = e.scheduler.cost, []
     observe = cost.observe
 
-    def spy(tokens: int, context: int, seconds: float, silent: int = 0, pairs: int = 0) -> bool:
+    def spy(
+        tokens: int, context: int, seconds: float, silent: int = 0, pairs: int = 0, tree: int = 0
+    ) -> bool:
+        assert tree == 0, "incremental decoding verifies no tree"
         seen.append((tokens, silent, pairs))
-        return observe(tokens, context, seconds, silent, pairs)
+        return observe(tokens, context, seconds, silent, pairs, tree)
 
     cost.observe = spy
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
