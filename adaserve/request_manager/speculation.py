@@ -79,8 +79,11 @@ class TreePlanner:
             if self.drafter.costly and engine.draft is not None:
                 draft_cost = ForwardCostModel(forget=cfg.cost_forget)
                 draft_cost.seed(engine.draft.cost_points(cfg.budget))
+            # A backend that runs every forward at its own size (llama.cpp) is priced at it:
+            # a padded size the runner would never run must not look like the cheaper one.
+            pad_limit = cfg.budget if engine.target.supports_padding else 0
             self.controller = SpeculationController(
-                cfg, self.drafter.costly, cfg.budget, cost, draft_cost
+                cfg, self.drafter.costly, pad_limit, cost, draft_cost
             )
 
     def shape(self, running: Sequence[Request]) -> SpecShape | None:

@@ -239,6 +239,10 @@ def test_every_policy_gives_incremental_greedy_output():
     def run(**kw) -> list[list[int]]:
         llm = LLM(backend="ggml", budget=16, **kw)
         assert llm.llm_engine.engine.backend == "ggml"
+        ctl = llm.llm_engine.scheduler.controller
+        if hasattr(ctl, "max_pad_tokens"):
+            # llama.cpp runs every forward at its own size: control must price it there.
+            assert ctl.max_pad_tokens == 0, "control prices padded forwards ggml never runs"
         return [llm.generate([p], params)[0].outputs[0].token_ids for p in prompts]
 
     want = run(policy="incremental")

@@ -100,6 +100,18 @@ def _cost(g_ms: dict[int, float]) -> ForwardCostModel:
     return model
 
 
+def test_without_padding_a_forward_is_priced_at_its_own_size():
+    # A fit where 8 tokens look cheaper than 5 (buckets seen under different loads): a backend
+    # that pads would run 8, llama.cpp runs 5 and pays for 5.
+    cost = _cost({1: 10, 4: 30, 8: 20})
+    cfg = SchedulerConfig(policy="adaserve")
+    padding = SpeculationController(cfg, False, 16, cost)
+    exact = SpeculationController(cfg, False, 0, cost)
+    assert padding.forward_s(5, 0) == pytest.approx(cost.predict(8, 0, 3))
+    assert exact.forward_s(5, 0) == pytest.approx(cost.predict(5, 0))
+    assert exact.forward_s(5, 0) > padding.forward_s(5, 0)
+
+
 def _warm(ctl: SpeculationController) -> SpeculationController:
     """Past the exploration phase: enough depth-1 verifications seen."""
     explore = SchedulerConfig().explore_observations
