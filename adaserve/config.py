@@ -190,6 +190,10 @@ class SchedulerConfig:
     # Chunked prefill sizes chunks to meet it; benchmarks count it in SLO attainment.
     default_ttft_factor: float = 4.0
     default_ttft_floor_ms: float = 1000.0
+    # Longest an iteration carrying prompt chunks is planned to run (0: no limit), idle or
+    # not, unless a TTFT objective needs more: a short prompt arriving during it waits for it
+    # whole, and its objective is about the floor, so half the floor leaves it the rest.
+    prefill_iteration_ms: float = 500.0
     # B: tokens verified per target forward, all requests' roots included.
     budget: int = 16
     max_depth: int = 6  # D_max
@@ -270,7 +274,7 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.pad_min_saving < 1.0:
             raise ValueError(f"pad_min_saving must be in [0, 1), got {self.pad_min_saving}")
-        for name in ("default_ttft_factor", "default_ttft_floor_ms"):
+        for name in ("default_ttft_factor", "default_ttft_floor_ms", "prefill_iteration_ms"):
             if not getattr(self, name) >= 0.0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.slo_bank_spend <= 1.0:

@@ -165,6 +165,8 @@ FIELD_HELP: dict[str, str] = {
     "default_ttft_factor": "TTFT objective of a request without slo_ttft_ms: floor + this x "
     "its prompt's prefill time",
     "default_ttft_floor_ms": "floor of that TTFT objective (ms)",
+    "prefill_iteration_ms": "longest an iteration carrying prompt chunks is planned to run, "
+    "unless a TTFT objective needs more (ms; 0: no limit): a prompt arriving during it waits",
     "budget": "B: tokens verified per target forward (serve: from --profile or a start-up "
     f"profile; elsewhere {SchedulerConfig.budget})",
     "max_depth": "D_max: depth of a draft model's trees (draft steps)",

@@ -13,7 +13,9 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
         allow_r = max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r, pace_r))
     T_max   = min of allow_r over running requests with an SLO that the decode part alone
               can still meet (pace_r * e_r + min(max(bank_r, 0), pace_r) >= T(n_tree, ctx);
-              a TPOT already lost does not hold prompts back)      (none: no TPOT limit)
+              a TPOT already lost does not hold prompts back)      (none: no TPOT limit),
+              and at most prefill_iteration_ms (500), idle or not: a prompt arriving now
+              waits for this whole iteration, and a short one's TTFT objective is ~1 s
     chunk   = largest c <= cap with T(n_tree + c, ctx + p, c, c p + c (c + 1) / 2) <= T_max
               (T(n, c, s, q): the cost model; the c prompt tokens, p tokens into their
               prompt, are silent: no logits, and they attend c p + c (c + 1) / 2 keys)
@@ -217,6 +219,7 @@ def chunk_tokens(
     margin: float = SchedulerConfig.slo_pace_margin,
     repay: float = SchedulerConfig.slo_repay,
     spend: float = SchedulerConfig.slo_bank_spend,
+    iteration_cap_s: float | None = None,
 ) -> int:
     """Prompt tokens to prefill in this iteration (the rule in the module docstring)."""
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
@@ -225,6 +228,10 @@ def chunk_tokens(
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
     limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend)
+    if iteration_cap_s:
+        # A prompt arriving now waits for this whole iteration: never longer than the cap
+        # (a TTFT objective's forced chunk below still may be).
+        limit = iteration_cap_s if limit is None else min(limit, iteration_cap_s)
     cached = prefilling[0].num_cached  # where the next chunk starts (queue order)
     chunk = cap if limit is None else largest_chunk(cost, tree_tokens, context, limit, cap, cached)
     forced = forced_chunk(cost, prefilling, tree_tokens, context, now, cap, min_prefill_chunk)

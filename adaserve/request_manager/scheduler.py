@@ -287,6 +287,7 @@ class Scheduler:
             self.cfg.slo_pace_margin,
             self.cfg.slo_repay,
             self.cfg.slo_bank_spend,
+            self.cfg.prefill_iteration_ms / 1000.0,
         )
         chunks = []
         for r in self.prefilling:

@@ -215,6 +215,12 @@ def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
         tight.append_token(3, now - 0.3 + 0.03 * t)
     assert chunk_tokens(linear_cost, [tight], [1.0], [waiting], **args) == 16, "minimum chunk"
     assert chunk_tokens(linear_cost, [], [], [waiting], **args) == 400, "idle: whole prompt"
+    # Capped at 0.2 s, idle or not: 0.02 + 0.001 (2 + c) <= 0.2 -> c = 178 idle; with the 100 ms
+    # stream, the cap is above its allowance (113 stays).
+    capped = dict(args, iteration_cap_s=0.2)
+    assert chunk_tokens(linear_cost, [], [], [waiting], **capped) == 178, "idle, capped"
+    assert chunk_tokens(linear_cost, [ontime, lost], [1.0, 1.0], [waiting], **capped) == 113
+    assert chunk_tokens(linear_cost, [tight], [1.0], [waiting], **capped) == 16, "never starves"
 
 
 def _streamed(slo_ms: float, tokens_after_first: int, seconds: float, now: float) -> Request:
@@ -380,3 +386,39 @@ def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     close.ttft_objective_ms = 1000.0  # due 0.05 s after "soon": arrival order kept
     queue = prefill_order([none, later, soon, close, late, resumed])
     assert [r.request_id for r in queue] == ["resumed", "late", "soon", "close", "later", "none"]
+
+
+@pytest.mark.parametrize("cap_ms", [500.0, 0.0])
+def test_a_question_arriving_during_an_idle_prefill_meets_its_ttft(target, cap_ms):
+    """Nothing decodes and a 1,500-token document (1.5 s alone) is being prefilled when a short
+    question arrives: iterations capped at half a second leave its ~1.1 s objective room; one
+    whole-prompt iteration (cap 0) makes it wait the full 1.5 s."""
+    e = slowed(
+        engine(target, "incremental", chunked=True, num_blocks=2048, prefill_iteration_ms=cap_ms),
+        0.001,
+        0.02,
+    )
+    warm = e.add_request([5, 6, 7], SamplingParams(max_tokens=2, ignore_eos=True))
+    while e.has_unfinished():  # the cost model sees a forward before the document comes
+        e.step()
+    assert warm.metrics.first_token_time is not None
+    document = e.add_request(
+        [(j % 90) + 2 for j in range(1500)], SamplingParams(max_tokens=2, ignore_eos=True)
+    )
+    start = e.engine.clock()
+    e.step()
+    # The question came 0.1 s into that iteration (virtual time stands still during a step).
+    question = e.add_request(
+        [8, 9, 10, 11], SamplingParams(max_tokens=2, ignore_eos=True), arrival_time=start + 0.1
+    )
+    while e.has_unfinished():
+        e.step()
+    objective = question.ttft_objective_ms
+    assert objective is not None and objective < 1500
+    ttft_ms = 1000 * question.metrics.ttft_s
+    if cap_ms:
+        assert ttft_ms <= objective, f"TTFT {ttft_ms:.0f} ms over its objective {objective:.0f}"
+        first = document.metrics.first_token_time
+        assert first is not None and 1000 * document.metrics.ttft_s <= document.ttft_objective_ms
+    else:
+        assert ttft_ms > objective, f"one whole-prompt iteration, yet TTFT {ttft_ms:.0f} ms"
