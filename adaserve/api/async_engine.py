@@ -396,7 +396,7 @@ class AsyncEngine(StreamBook):
         ids = cmd.prompt_token_ids
         try:
             params = cmd.params
-            refusal = self._slo_refusal(params, len(ids))
+            refusal = self._slo_refusal(params, len(ids), known_length=not cmd.fill_max_tokens)
             if refusal is not None:
                 return refusal
             if cmd.fill_max_tokens:
@@ -410,13 +410,20 @@ class AsyncEngine(StreamBook):
         self._streams[cmd.stream.request_id] = cmd.stream
         return Accepted(list(ids))
 
-    def _slo_refusal(self, params: SamplingParams, prompt_tokens: int) -> Refused | None:
+    def _slo_refusal(
+        self, params: SamplingParams, prompt_tokens: int, known_length: bool
+    ) -> Refused | None:
         """--admission slo: refuse a request when the current load cannot meet its TPOT SLO
         or its first token's objective, or admitting it would break an admitted request's
-        (`Admission.refusal`)."""
+        (`Admission.refusal`; its max_tokens only when the client set it)."""
         if self.admission != "slo":
             return None
-        why = self.engine.admission.refusal(params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms)
+        why = self.engine.admission.refusal(
+            params.slo_tpot_ms,
+            prompt_tokens,
+            params.slo_ttft_ms,
+            params.max_tokens if known_length else None,
+        )
         return None if why is None else Refused(why)
 
     def _check_fits_cache(self, num_prompt_tokens: int) -> None:

@@ -25,6 +25,34 @@ from adaserve.request_manager.stats import IterationStats
 Queues = Callable[[], tuple[Sequence[Request], Sequence[Request], Sequence[Request]]]
 
 
+def forced_share(
+    prefilling: Sequence[Request],
+    forced: int,
+    max_tokens: int | None,
+    tokens_per_request: float,
+    first_token_due: float | None = None,
+) -> float:
+    """The share of a new request's decode iterations that carry `forced` prompt tokens each.
+    A prompt due before the new request's first token (`first_token_due`, as
+    `prefill.prefill_order` ranks them) is prefilled before it decodes: it delays that first
+    token, not the tokens after it. The others take ceil(their tokens / forced) iterations,
+    over the iterations the request will decode (`max_tokens` at the recent tokens per request
+    and iteration), at most all of them; all of them when its length is unknown (as if the
+    prompts never ended)."""
+    if forced <= 0:
+        return 0.0
+    if first_token_due is not None:
+        prefilling = [r for r in prefilling if prefill_deadline(r) > first_token_due + OVERTAKE_S]
+        if not prefilling:
+            return 0.0
+    if max_tokens is None:
+        return 1.0
+    pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
+    slowed = -(-max(0, pending) // forced)  # iterations until the prompts are in
+    life = max(1.0, max_tokens / max(tokens_per_request, 1.0))
+    return min(1.0, slowed / life)
+
+
 class Admission:
     """Load averages over the iterations as they ran, and the admission decision."""
 
@@ -63,7 +91,12 @@ class Admission:
         assert self.cost is not None
         return self.cost.predict(tokens, context, silent, silent_pairs) + self.host_s
 
-    def predicted_tpot_s(self, extra: int = 1) -> float | None:
+    def predicted_tpot_s(
+        self,
+        extra: int = 1,
+        max_tokens: int | None = None,
+        first_token_due: float | None = None,
+    ) -> float | None:
         """Seconds per output token a request admitted now (with `extra` - 1 more after it)
         would see once it decodes, over
         the tokens per request iterations have recently emitted. The iteration: the cost
@@ -71,6 +104,11 @@ class Admission:
         one token each), or, while requests decode, the recent period of decode-only
         iterations scaled by the cost model from the running batch to that one, if longer
         (it has what the cost of one token each misses: tree tokens, drafting, host time).
+        Prompt tokens a TTFT objective forces into the forward slow the iterations until the
+        prompts being prefilled are in: only those due after this request's first token
+        (`first_token_due`, a time on `clock`) slow its stream, and a request that names
+        `max_tokens` pays that slowdown over its whole life (a time per output token is its
+        mean), so it is spread over the iterations it will decode (`forced_share`).
         None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
@@ -93,7 +131,11 @@ class Admission:
             )
             if forced:
                 pairs = forced * prefilling[0].num_cached + forced * (forced + 1) // 2
-                iteration = max(iteration, self.iteration_s(n + forced, context, forced, pairs))
+                slowed = self.iteration_s(n + forced, context, forced, pairs)
+                share = forced_share(
+                    prefilling, forced, max_tokens, self.tokens_per_request, first_token_due
+                )
+                iteration += share * max(0.0, slowed - iteration)
         if running and self.decode_period_s is not None:
             per = self.forward_tokens_per_request
             now = self.iteration_s(
@@ -145,6 +187,7 @@ class Admission:
         slo_tpot_ms: float | None,
         prompt_tokens: int | None = None,
         slo_ttft_ms: float | None = None,
+        max_tokens: int | None = None,
     ) -> str | None:
         """Why a request with this TPOT SLO (and prompt) should be refused now, or None to
         admit it.
@@ -156,13 +199,16 @@ class Admission:
         after `slo_headroom` of its TTFT objective (slo_ttft_ms, else the default one): queued
         for tens of seconds it is lost to its user whatever its TPOT, and its prefill would be
         paid by the requests behind it. The same headroom as for TPOT: both predictions miss
-        what arrives after them (a prompt due sooner overtakes this one)."""
-        why = self._tpot_refusal(slo_tpot_ms)
-        if why is not None or prompt_tokens is None:
+        what arrives after them (a prompt due sooner overtakes this one). The TPOT prediction
+        counts only the prompts due after this request's first token, over its life when it
+        names `max_tokens` (`predicted_tpot_s`)."""
+        objective_ms = None
+        if prompt_tokens is not None:
+            objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
+        due = None if objective_ms is None else self.clock() + objective_ms / 1000.0
+        why = self._tpot_refusal(slo_tpot_ms, max_tokens, due)
+        if why is not None or objective_ms is None or prompt_tokens is None:
             return why
-        objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
-        if objective_ms is None:
-            return None
         ttft = self.predicted_ttft_s(prompt_tokens, objective_ms / 1000.0)
         if ttft is not None and 1000.0 * ttft > self.cfg.slo_headroom * objective_ms:
             named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
@@ -173,8 +219,10 @@ class Admission:
             )
         return None
 
-    def _tpot_refusal(self, slo_tpot_ms: float | None) -> str | None:
-        tpot = self.predicted_tpot_s()
+    def _tpot_refusal(
+        self, slo_tpot_ms: float | None, max_tokens: int | None, first_token_due: float | None
+    ) -> str | None:
+        tpot = self.predicted_tpot_s(max_tokens=max_tokens, first_token_due=first_token_due)
         if tpot is None:
             return None
         ms = 1000.0 * tpot

@@ -207,7 +207,9 @@ def _route(
     tries = ranked if setup.router == "slo" else ranked[:1]
     why = None
     for k in tries:
-        why = reps[k].sched.admission.refusal(b.slo_tpot_ms, _prompt_len(reps[k].sched, b))
+        why = reps[k].sched.admission.refusal(
+            b.slo_tpot_ms, _prompt_len(reps[k].sched, b), max_tokens=b.max_tokens
+        )
         if why is None:
             return k, None
     return None, why

@@ -448,7 +448,8 @@ def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(t
     why = engine.admission.refusal(None, 400)
     assert why is not None and "time-to-first-token objective of 4.2 s" in why, why
     assert engine.admission.refusal(None, 400, slo_ttft_ms=60_000) is None, "room in 60 s"
-    # The server asks with each request's prompt length and TTFT SLO (the engine thread runs
+    # The server asks with each request's prompt length, TTFT SLO and the max_tokens it set
+    # (its life, over which it pays for prompts prefilled after it; the engine thread runs
     # freely on the virtual clock here, so the backlog drains before the request arrives).
     asked = []
     refusal = engine.admission.refusal
@@ -456,4 +457,4 @@ def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(t
     with ThreadServer(build_app(engine, ServerConfig())) as srv:
         r = complete(srv.url, prompt=document, max_tokens=2, slo_ttft_ms=9000)
         assert r.status_code == 200, r.text
-    assert asked == [(None, 400, 9000)], asked
+    assert asked == [(None, 400, 9000, 2)], asked
