@@ -260,6 +260,9 @@ class SchedulerConfig:
     # of the decode period and forward tokens per request, of tokens emitted per request,
     # and of host time per iteration (the plain mean over its first 1 / host_ema samples).
     slo_headroom: float = 0.85
+    # A request refused only for the prompt tokens that prompts due after its first token
+    # force into every forward is admitted over them; they yield (prefill.forced_chunk).
+    prompts_yield: bool = True
     admission_ema: float = 0.2
     tokens_per_request_ema: float = 0.1
     host_ema: float = 0.1

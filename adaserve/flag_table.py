@@ -205,6 +205,9 @@ FIELD_HELP: dict[str, str] = {
     "file; plot it with python -m adaserve.bench.timeline FILE",
     "slo_headroom": "--admission slo admits while the predicted TPOT is within this share of "
     "the SLO and the predicted first token within this share of its TTFT objective",
+    "prompts_yield": "--admission slo admits a stream that only the chunks forced by the TTFT "
+    "objectives of prompts due after its first token would slow past its SLO; those prompts "
+    "then ride in the streams' slack until they have waited twice their objective",
     "admission_ema": "weight of the newest iteration in admission's decode-period average",
     "tokens_per_request_ema": "weight of the newest iteration in tokens emitted per request",
     "host_ema": "weight of the newest iteration in host time per iteration",

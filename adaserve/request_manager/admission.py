@@ -25,6 +25,12 @@ from adaserve.request_manager.stats import IterationStats
 Queues = Callable[[], tuple[Sequence[Request], Sequence[Request], Sequence[Request]]]
 
 
+def behind(prefilling: Sequence[Request], first_token_due: float) -> list[Request]:
+    """The prompts a request whose first token is due at `first_token_due` goes ahead of
+    (`prefill.prefill_order`): those due more than OVERTAKE_S later."""
+    return [r for r in prefilling if prefill_deadline(r) > first_token_due + OVERTAKE_S]
+
+
 def forced_share(
     prefilling: Sequence[Request],
     forced: int,
@@ -42,7 +48,7 @@ def forced_share(
     if forced <= 0:
         return 0.0
     if first_token_due is not None:
-        prefilling = [r for r in prefilling if prefill_deadline(r) > first_token_due + OVERTAKE_S]
+        prefilling = behind(prefilling, first_token_due)
         if not prefilling:
             return 0.0
     if max_tokens is None:
@@ -96,6 +102,7 @@ class Admission:
         extra: int = 1,
         max_tokens: int | None = None,
         first_token_due: float | None = None,
+        prompts_yield: bool = False,
     ) -> float | None:
         """Seconds per output token a request admitted now (with `extra` - 1 more after it)
         would see once it decodes, over
@@ -108,7 +115,8 @@ class Admission:
         prompts being prefilled are in: only those due after this request's first token
         (`first_token_due`, a time on `clock`) slow its stream, and a request that names
         `max_tokens` pays that slowdown over its whole life (a time per output token is its
-        mean), so it is spread over the iterations it will decode (`forced_share`).
+        mean), so it is spread over the iterations it will decode (`forced_share`). With
+        `prompts_yield`, those prompts yield to it (`refusal`) and slow nothing.
         None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
@@ -129,7 +137,7 @@ class Admission:
                 self.cfg.max_prefill_chunk,
                 0,  # a late prompt's minimum chunk passes with it: not what a stream will see
             )
-            if forced:
+            if forced and not (prompts_yield and first_token_due is not None):
                 pairs = forced * prefilling[0].num_cached + forced * (forced + 1) // 2
                 slowed = self.iteration_s(n + forced, context, forced, pairs)
                 share = forced_share(
@@ -201,12 +209,27 @@ class Admission:
         paid by the requests behind it. The same headroom as for TPOT: both predictions miss
         what arrives after them (a prompt due sooner overtakes this one). The TPOT prediction
         counts only the prompts due after this request's first token, over its life when it
-        names `max_tokens` (`predicted_tpot_s`)."""
+        names `max_tokens` (`predicted_tpot_s`). When those prompts' forced chunks are all
+        that refuses it (`prompts_yield`, the default), it is admitted over them: they yield
+        (`Request.prefill_yields`) and ride in the streams' slack until they starve
+        (`prefill.starving`), trading a first token that is far off, and may still come in
+        time, for a stream that would otherwise be turned away; the streams admitted while
+        they yield are let in the same way."""
         objective_ms = None
         if prompt_tokens is not None:
             objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
         due = None if objective_ms is None else self.clock() + objective_ms / 1000.0
         why = self._tpot_refusal(slo_tpot_ms, max_tokens, due)
+        over: list[Request] = []
+        if why is not None and due is not None and self.cfg.prompts_yield:
+            # What the prompts behind it force into every forward is all that stands in its
+            # way: let it in over them, and they ride in the streams' slack from now on.
+            _, prefilling, _ = self.queues()
+            over = [r for r in behind(prefilling, due) if not r.prefill_yields]
+            if over and self._tpot_refusal(slo_tpot_ms, max_tokens, due, True) is None:
+                why = None
+            else:
+                over = []
         if why is not None or objective_ms is None or prompt_tokens is None:
             return why
         ttft = self.predicted_ttft_s(prompt_tokens, objective_ms / 1000.0)
@@ -217,12 +240,20 @@ class Admission:
                 f"past this request's time-to-first-token objective of "
                 f"{objective_ms / 1000.0:.1f} s ({named}); retry later"
             )
+        for r in over:
+            r.prefill_yields = True
         return None
 
     def _tpot_refusal(
-        self, slo_tpot_ms: float | None, max_tokens: int | None, first_token_due: float | None
+        self,
+        slo_tpot_ms: float | None,
+        max_tokens: int | None,
+        first_token_due: float | None,
+        prompts_yield: bool = False,
     ) -> str | None:
-        tpot = self.predicted_tpot_s(max_tokens=max_tokens, first_token_due=first_token_due)
+        tpot = self.predicted_tpot_s(
+            max_tokens=max_tokens, first_token_due=first_token_due, prompts_yield=prompts_yield
+        )
         if tpot is None:
             return None
         ms = 1000.0 * tpot

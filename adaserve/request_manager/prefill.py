@@ -37,7 +37,10 @@ from the prompt length that every request gets, `slo.ttft_objective_ms`): for th
 prefilling request with one, the smallest chunk c_ttft that still finishes its remaining
 prompt in time, ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to
 c_ttft (capped); a deadline no chunk can meet any more does not (a first token already late
-does not outrank TPOTs) and the minimum chunk keeps that prompt moving.
+does not outrank TPOTs) and the minimum chunk keeps that prompt moving. A prompt that
+yields to streams admission let in over it (`Request.prefill_yields`) forces nothing: it
+rides in the streams' slack until it has waited STARVE_FACTOR (2) x its objective, then
+forces as any other.
 """
 
 from __future__ import annotations
@@ -184,14 +187,22 @@ def forced_chunk(
 ) -> int:
     """Prompt tokens the next forward takes whatever the streams' SLOs allow: what the first
     prompt's TTFT objective needs while it can be met (the prompts ahead of it included),
-    else min_prefill_chunk; 0 with nothing to prefill."""
+    else min_prefill_chunk; 0 with nothing to prefill. A prompt that yields to streams
+    admitted over it (`Request.prefill_yields`) forces nothing until it starves
+    (`starving`): it rides in the time the streams' SLOs leave, and 0 when every prompt
+    yields."""
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
     if pending <= 0:
         return 0
     cached = prefilling[0].num_cached  # where the next chunk starts (queue order)
     ahead = 0  # prompt tokens of requests ahead in the queue, prefilled first
+    floor = 0
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
+        ahead = remaining
+        if r.prefill_yields and not starving(r, now):
+            continue
+        floor = min_prefill_chunk
         ttft_ms = r.ttft_objective_ms
         if ttft_ms is not None:
             left = r.metrics.arrival_time + ttft_ms / 1000.0 - now
@@ -201,8 +212,18 @@ def forced_chunk(
                 # moving, so a tight stream is never made impossible by a minimum chunk.
                 return min(pending, needed)
             break
-        ahead = remaining
-    return min(pending, min_prefill_chunk)
+    return min(pending, floor)
+
+
+# A yielding prompt that has waited this many times its TTFT objective (from its arrival)
+# forces chunks again, whatever the streams' SLOs: it rides in their slack until then.
+STARVE_FACTOR = 2.0
+
+
+def starving(req: Request, now: float) -> bool:
+    """The prompt has waited STARVE_FACTOR x its TTFT objective (False without one)."""
+    ms = req.ttft_objective_ms
+    return ms is not None and now >= req.metrics.arrival_time + STARVE_FACTOR * ms / 1000.0
 
 
 def chunk_tokens(

@@ -260,6 +260,9 @@ class Request:
             slo_ttft_ms=params.slo_ttft_ms,
             ttft_objective_ms=params.slo_ttft_ms,
         )
+        # Admission let a stream in over this prompt (`Admission.refusal`): its TTFT objective
+        # no longer forces prompt tokens into the streams' forwards (prefill.forced_chunk).
+        self.prefill_yields = False
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0

@@ -76,3 +76,49 @@ def test_prompts_due_before_the_first_token_delay_it_and_do_not_slow_the_stream(
     got = both.predicted_tpot_s(max_tokens=64, first_token_due=due)
     assert abs(got - expected) < 1e-9, "B's prefill over half of the request's 64 iterations"
     assert both.predicted_tpot_s(first_token_due=NOW + 5.0) == plain, "due after both"
+
+
+def test_a_yielding_prompt_forces_nothing_until_it_starves():
+    from adaserve.request_manager.prefill import forced_chunk, starving
+
+    def cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+        return LinearCost().predict(tokens, context, silent, silent_pairs)
+
+    a = _prompt(480, due_in_s=1.2)
+    assert forced_chunk(cost, [a], 2, 0, NOW, 256, 16) == 15, "A's objective: 15 a forward"
+    a.prefill_yields = True
+    assert forced_chunk(cost, [a], 2, 0, NOW, 256, 16) == 0, "yielding: slack only"
+    # A prompt behind it still forces what its own objective needs, A's tokens included
+    # (they are prefilled first): 960 tokens in 3 s.
+    b = _prompt(480, due_in_s=3.0)
+    c = forced_chunk(cost, [a, b], 2, 0, NOW, 256, 16)
+    assert c == forced_chunk(cost, [_prompt(960, due_in_s=3.0)], 2, 0, NOW, 256, 16) and c > 0
+    # Twice its objective (2.2 s) after arrival, A starves: its objective is lost, so the
+    # minimum chunk keeps it moving again.
+    late = NOW - 1.0 + 2 * 2.2
+    assert not starving(a, late - 0.01) and starving(a, late)
+    assert forced_chunk(cost, [a], 2, 0, late, 256, 16) == 16
+
+
+def test_a_stream_refused_only_for_prompts_behind_it_is_admitted_over_them():
+    # A, due in 1.2 s, forces 15 tokens a forward (37 ms); a request with a 1.5 s first-token
+    # objective goes ahead of it. Its TPOT at 2 rows: 22 ms without A's chunks.
+    a = _prompt(480, due_in_s=1.2)
+    b = _prompt(480, due_in_s=3.0)
+    ahead = _admission([a])
+    assert ahead.refusal(30.0, 100, slo_ttft_ms=1500, max_tokens=64) is None, "A is ahead"
+    adm = _admission([a, b])
+    assert adm.refusal(30.0, 100, slo_ttft_ms=1500, max_tokens=64) is None
+    assert b.prefill_yields and not a.prefill_yields, "B, behind it, yields; A is ahead"
+    # Its first token would come too late: refused, and nobody yields for it.
+    c = _prompt(480, due_in_s=3.0)
+    adm = _admission([a, c])
+    assert adm.refusal(30.0, 2000, slo_ttft_ms=1500, max_tokens=64) is not None
+    assert not c.prefill_yields, "refused: nothing yields"
+    # With prompts_yield off it is refused for B's chunks, as before.
+    d = _prompt(480, due_in_s=3.0)
+    off = Admission(
+        SchedulerConfig(prompts_yield=False), LinearCost(), lambda: ([], [a, d], []), lambda: NOW
+    )
+    why = off.refusal(30.0, 100, slo_ttft_ms=1500, max_tokens=64)
+    assert why is not None and "cannot be met" in why and not d.prefill_yields

@@ -422,3 +422,46 @@ def test_a_question_arriving_during_an_idle_prefill_meets_its_ttft(target, cap_m
         assert first is not None and 1000 * document.metrics.ttft_s <= document.ttft_objective_ms
     else:
         assert ttft_ms > objective, f"one whole-prompt iteration, yet TTFT {ttft_ms:.0f} ms"
+
+
+@pytest.mark.parametrize("prompts_yield", [True, False])
+def test_a_tight_stream_is_admitted_over_a_document_whose_chunks_would_break_it(
+    target, prompts_yield
+):
+    """A 1,000-token document is being prefilled (4 ms a prompt token, as on ggml here) with
+    a 5 s TTFT objective: its forced chunks make every forward ~90 ms. A 40 ms request is
+    refused for that alone without `prompts_yield`; with it, admitted over the document,
+    which then rides in the stream's slack: the stream meets its SLO (38 ms; 72.6 ms had the
+    document kept forcing) and the document still gets its first token, within twice its
+    objective (5.7 s; it trades its 5 s objective for the stream's)."""
+    e = slowed(
+        engine(target, "incremental", chunked=True, num_blocks=2048, prompts_yield=prompts_yield),
+        0.004,
+        0.02,
+    )
+    warm = e.add_request([5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True))
+    while e.has_unfinished():  # the cost model sees forwards before the document comes
+        e.step()
+    assert warm.metrics.first_token_time is not None
+    document = e.add_request(
+        [(j % 90) + 2 for j in range(1000)],
+        SamplingParams(max_tokens=2, ignore_eos=True, slo_ttft_ms=5000),
+    )
+    e.step()
+    assert 0 < document.num_cached < 1000, "the document is being prefilled"
+    why = e.admission.refusal(40.0, 4, None, 64)
+    if not prompts_yield:
+        assert why is not None and "slo_tpot_ms 40 cannot be met" in why, why
+        assert not document.prefill_yields
+        return
+    assert why is None, why
+    assert document.prefill_yields, "admitted over the document, which now yields"
+    stream = e.add_request(
+        [8, 9, 10, 11],
+        SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True, slo_tpot_ms=40),
+    )
+    while e.has_unfinished():
+        e.step()
+    assert stream.metrics.tpot_ms <= 40, f"the stream's TPOT {stream.metrics.tpot_ms:.1f} ms"
+    ttft_ms = 1000 * document.metrics.ttft_s
+    assert ttft_ms <= 2 * 5000, f"the document starved: first token after {ttft_ms:.0f} ms"
