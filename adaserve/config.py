@@ -263,6 +263,11 @@ class SchedulerConfig:
     # A request refused only for the prompt tokens that prompts due after its first token
     # force into every forward is admitted over them; they yield (prefill.forced_chunk).
     prompts_yield: bool = True
+    # A request refused for its TPOT (not its first token) is held, unscheduled and with no KV,
+    # for up to this share of its TTFT objective, and admitted the moment the load allows: a
+    # stream that finishes a second later makes room it would otherwise be refused over
+    # (api/async_engine.py; 0: refuse at arrival).
+    admission_hold: float = 0.5
     admission_ema: float = 0.2
     tokens_per_request_ema: float = 0.1
     host_ema: float = 0.1
@@ -282,6 +287,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.slo_bank_spend <= 1.0:
             raise ValueError(f"slo_bank_spend must be in [0, 1], got {self.slo_bank_spend}")
+        if not 0.0 <= self.admission_hold < 1.0:
+            raise ValueError(f"admission_hold must be in [0, 1), got {self.admission_hold}")
         if not 0.0 <= self.slo_repay <= 1.0:
             raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (

@@ -208,6 +208,9 @@ FIELD_HELP: dict[str, str] = {
     "prompts_yield": "--admission slo admits a stream that only the chunks forced by the TTFT "
     "objectives of prompts due after its first token would slow past its SLO; those prompts "
     "then ride in the streams' slack until they have waited twice their objective",
+    "admission_hold": "--admission slo holds a request it would refuse for its TPOT (unscheduled, "
+    "no KV) for up to this share of its TTFT objective, admitting it as soon as the load "
+    "allows; 0 refuses at arrival",
     "admission_ema": "weight of the newest iteration in admission's decode-period average",
     "tokens_per_request_ema": "weight of the newest iteration in tokens emitted per request",
     "host_ema": "weight of the newest iteration in host time per iteration",

@@ -83,6 +83,8 @@ class Delta:
 
 StreamItem = Accepted | Rejected | Refused | EngineFailed | Delta
 ENGINE_STOPPED = "the engine has stopped (server shutting down)"
+# Seconds an idle engine thread waits for commands before it looks at held requests again.
+HOLD_POLL_S = 0.005
 
 
 @dataclass(frozen=True)
@@ -246,6 +248,9 @@ class AsyncEngine(StreamBook):
         self.admission = admission
         self._commands: queue.SimpleQueue[_Add | _Abort | _AbortAll | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # engine thread only
+        # Requests --admission slo would refuse for their TPOT, held until the load allows
+        # them or their hold runs out (`_add`); engine thread only, in arrival order.
+        self._held: list[_Add] = []
         self._thread = threading.Thread(target=self._run, name="adaserve-engine", daemon=True)
         # Prompts are tokenized here, one at a time, by a tokenizer of this thread's own (a
         # Rust tokenizer borrowed by two threads at once can fail "Already borrowed").
@@ -354,6 +359,7 @@ class AsyncEngine(StreamBook):
     def _run(self) -> None:
         try:
             while self._drain(block=not self.engine.has_unfinished()):
+                self._release_held()
                 if self.engine.has_unfinished():
                     self._step()
                 self._publish_state()
@@ -366,10 +372,11 @@ class AsyncEngine(StreamBook):
             self._publish_state()
 
     def _drain(self, block: bool) -> bool:
-        """Apply queued commands; False once asked to stop."""
+        """Apply queued commands; False once asked to stop. While requests are held, an idle
+        engine waits for commands only HOLD_POLL_S at a time, to look at them again."""
         pending: list[tuple[RequestStream, StreamItem]] = []
         try:
-            cmd = self._commands.get(block=block)
+            cmd = self._commands.get(block=block, timeout=HOLD_POLL_S if self._held else None)
             while True:
                 if isinstance(cmd, _Stop):
                     return False
@@ -389,16 +396,19 @@ class AsyncEngine(StreamBook):
             self._post(pending)
 
     def _add(self, cmd: _Add) -> StreamItem | None:
-        """Queue the request in the engine; None when its client has gone meanwhile."""
-        if cmd.stream.done:  # aborted while it was being tokenized: never queued
+        """Queue the request in the engine; None when its client has gone meanwhile or it is
+        held (`_slo_refusal`)."""
+        if cmd.stream.done:  # aborted while it was being tokenized or held: never queued
             return None
         eng = self.engine
         ids = cmd.prompt_token_ids
         try:
             params = cmd.params
-            refusal = self._slo_refusal(params, len(ids), known_length=not cmd.fill_max_tokens)
+            refusal = self._slo_refusal(cmd, len(ids), known_length=not cmd.fill_max_tokens)
             if refusal is not None:
                 return refusal
+            if self._held and self._held[-1] is cmd:  # held just now
+                return None
             if cmd.fill_max_tokens:
                 params = replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
             self._check_fits_cache(len(ids))
@@ -410,21 +420,45 @@ class AsyncEngine(StreamBook):
         self._streams[cmd.stream.request_id] = cmd.stream
         return Accepted(list(ids))
 
-    def _slo_refusal(
-        self, params: SamplingParams, prompt_tokens: int, known_length: bool
-    ) -> Refused | None:
+    def _slo_refusal(self, cmd: _Add, prompt_tokens: int, known_length: bool) -> Refused | None:
         """--admission slo: refuse a request when the current load cannot meet its TPOT SLO
         or its first token's objective, or admitting it would break an admitted request's
-        (`Admission.refusal`; its max_tokens only when the client set it)."""
+        (`Admission.judge`; its max_tokens only when the client set it). One refused for its
+        TPOT is held instead (appended to `_held`, None returned) while its hold lasts
+        (`Admission.hold_s`): streams finish every second here, and the first token it can
+        still get in time is worth more to its client than a 429 to retry after."""
         if self.admission != "slo":
             return None
-        why = self.engine.admission.refusal(
+        admission, params = self.engine.admission, cmd.params
+        waited = max(0.0, time.monotonic() - cmd.arrival_time)
+        why = admission.judge(
             params.slo_tpot_ms,
             prompt_tokens,
             params.slo_ttft_ms,
             params.max_tokens if known_length else None,
+            waited,
         )
-        return None if why is None else Refused(why)
+        if why is None:
+            return None
+        if not why.first_token and waited < admission.hold_s(
+            params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms
+        ):
+            self._held.append(cmd)
+            return None
+        return Refused(why.message)
+
+    def _release_held(self) -> None:
+        """Look at the held requests again, in arrival order: admitted, refused (their hold
+        ran out, or their first token can no longer come in time) or held on."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        pending: list[tuple[RequestStream, StreamItem]] = []
+        for cmd in held:
+            item = self._add(cmd)
+            if item is not None:
+                pending.append((cmd.stream, item))
+        self._post(pending)
 
     def _check_fits_cache(self, num_prompt_tokens: int) -> None:
         # A prompt that can never be admitted would wait forever; say so now instead.
@@ -549,6 +583,8 @@ class AsyncEngine(StreamBook):
                 break
             if isinstance(cmd, _Add):
                 pending.append((cmd.stream, EngineFailed(ENGINE_STOPPED)))
+        pending += [(cmd.stream, EngineFailed(ENGINE_STOPPED)) for cmd in self._held]
+        self._held.clear()
         self._post(pending)
 
     def _post(self, items: list[tuple[RequestStream, StreamItem]]) -> None:

@@ -4,6 +4,11 @@ Every request is a streamed POST {url}/v1/completions (temperature 0, ignore_eos
 request's slo_tpot_ms when it has one); each SSE chunk's arrival time is recorded for every
 token it carries. One shared httpx client without a connection cap: a capped pool would
 hold requests back in the client and bend the arrival pattern being measured.
+
+With `retries` > 0 the client behaves as the official `openai` client does by default (two
+retries): a refused request (408, 409, 429, 5xx) is sent again after the server's
+`retry-after-ms` / `Retry-After` (when 0-60 s), else after an exponential backoff. The record
+keeps the first send time, so the wait counts in its TTFT, and says how many sends it took.
 """
 
 from __future__ import annotations
@@ -26,6 +31,28 @@ DEFAULT_REQUEST_TIMEOUT_S = 1800.0
 CONNECT_TIMEOUT_S = 30.0
 # Error texts are kept short in the records; the first words say what happened.
 MAX_ERROR_CHARS = 300
+# The openai client's retry rules: which statuses it retries, the longest server-given wait it
+# honours, and its own backoff when the server gives none (0.5 s doubling, at most 8 s).
+RETRIED_STATUSES = frozenset({408, 409, 429})
+MAX_RETRY_AFTER_S = 60.0
+BACKOFF_START_S = 0.5
+BACKOFF_MAX_S = 8.0
+
+
+def retry_delay_s(headers: httpx.Headers, retries_taken: int) -> float:
+    """Seconds to wait before the next send: the server's hint, else the backoff."""
+    for name, scale in (("retry-after-ms", 1e-3), ("retry-after", 1.0)):
+        try:
+            hint = float(headers.get(name, "")) * scale
+        except ValueError:
+            continue
+        if 0 < hint <= MAX_RETRY_AFTER_S:
+            return hint
+    return min(BACKOFF_START_S * 2**retries_taken, BACKOFF_MAX_S)
+
+
+def _retried(status: int) -> bool:
+    return status in RETRIED_STATUSES or status >= 500
 
 
 def request_body(req: BenchRequest, model: str) -> dict:
@@ -77,10 +104,33 @@ async def send_one(
     rec: RequestRecord,
     t0: float,
     headers: dict[str, str],
+    retries: int = 0,
 ) -> None:
-    """Send one streamed request and fill `rec`; never raises (failures go to rec.error)."""
+    """Send one streamed request and fill `rec`; never raises (failures go to rec.error).
+    A refusal is sent again up to `retries` times (module doc)."""
     rec.sent_s = time.perf_counter() - t0
+    for attempt in range(retries + 1):
+        rec.attempts = attempt + 1
+        rec.error = None
+        delay = await _send_once(client, url, req, model, rec, t0, headers)
+        if delay is None or attempt == retries:
+            return
+        await asyncio.sleep(delay)
+
+
+async def _send_once(
+    client: httpx.AsyncClient,
+    url: str,
+    req: BenchRequest,
+    model: str,
+    rec: RequestRecord,
+    t0: float,
+    headers: dict[str, str],
+) -> float | None:
+    """One send; the seconds to wait before sending again when the server refused it
+    in a way a client retries, else None."""
     usage_seen = False
+    retry_in: float | None = None
     try:
         async with client.stream(
             "POST", f"{url}/v1/completions", json=request_body(req, model), headers=headers
@@ -88,7 +138,9 @@ async def send_one(
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_error_message(text)}"
-                return
+                if _retried(r.status_code):
+                    retry_in = retry_delay_s(r.headers, rec.attempts - 1)
+                return retry_in
             done = False
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
@@ -100,11 +152,11 @@ async def send_one(
                 obj = json.loads(payload)
                 if not isinstance(obj, dict):
                     rec.error = f"unexpected stream data: {payload[:80]}"
-                    return
+                    return None
                 _apply_chunk(rec, obj, time.perf_counter() - t0)
                 usage_seen = usage_seen or bool(obj.get("usage"))
                 if rec.error is not None:
-                    return
+                    return None
             if not done:
                 rec.error = "the stream ended before data: [DONE]"
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
@@ -115,6 +167,7 @@ async def send_one(
             rec.output_tokens = len(rec.token_times_s)
         if rec.error is not None:
             rec.error = rec.error[:MAX_ERROR_CHARS]
+    return None
 
 
 def _error_message(text: str) -> str:
@@ -185,12 +238,14 @@ async def replay(
     transport: httpx.AsyncBaseTransport | None = None,
     prefill_ms_per_token: float | None = None,
     measure_prefill: str | None = None,
+    retries: int = 0,
 ) -> tuple[str, list[RequestRecord], dict | None]:
     """(model, one record per request in send order, server counter deltas or None).
 
     `prefill_ms_per_token` gives the records default TTFT objectives; without it, a
     `measure_prefill` prompt measures the speed on this server first (before the replay).
-    `transport` replaces the network (tests hand in an httpx.MockTransport).
+    `transport` replaces the network (tests hand in an httpx.MockTransport); `retries`: how
+    many times a refused request is sent again (module doc).
     """
     url = url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -209,7 +264,7 @@ async def replay(
 
         async def one(req: BenchRequest, rec: RequestRecord) -> None:
             nonlocal attained
-            await send_one(client, url, req, model, rec, t0, headers)
+            await send_one(client, url, req, model, rec, t0, headers, retries)
             attained += rec.slo_attained
             bar.set_postfix(attained=f"{attained}/{bar.n + 1}", refresh=False)
             bar.update()

@@ -56,6 +56,7 @@ class RequestRecord:
     prefill_ms_per_token: float | None = None
     ttft_factor: float = SchedulerConfig.default_ttft_factor
     ttft_floor_ms: float = SchedulerConfig.default_ttft_floor_ms
+    attempts: int = 1  # sends it took: more than one when a client retried a refusal
 
     @property
     def completed(self) -> bool:

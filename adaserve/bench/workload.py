@@ -113,6 +113,15 @@ def add_workload_arguments(p: argparse.ArgumentParser, simulated: bool = False) 
         help="seconds a stream may stay silent before its request counts as failed",
     )
     p.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument(
+        "--client-retries",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send a refused request (429, 503, ...) again up to N times after the server's "
+        "Retry-After, as the official openai client does by default (N = 2); the wait counts "
+        "in its TTFT (default 0: a refusal is final)",
+    )
 
 
 def baseline_from_args(args: argparse.Namespace) -> float | None:
@@ -206,6 +215,7 @@ def run_point(
             desc=desc,
             prefill_ms_per_token=args.prefill_ms_per_token,
             measure_prefill=prefill_probe(trace),
+            retries=args.client_retries,
         )
     )
     label = label or model
@@ -251,6 +261,8 @@ def result_line(
             "output_length": opts.output_length,
             "baseline_latency_ms": opts.baseline_latency_ms,
             "slo_scale": opts.slo_scale,
+            # Sends per refused request beyond the first (absent: the simulator's, none).
+            "client_retries": getattr(args, "client_retries", None),
         },
         "notes": describe_options(opts, trace),
         # The prefill speed behind default TTFT objectives (None: TTFT not judged).

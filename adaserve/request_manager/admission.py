@@ -8,6 +8,7 @@ prefill prices iterations through `iteration_s` (the cost model's forward plus h
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.cost_model import ForwardCostModel
@@ -57,6 +58,15 @@ def forced_share(
     slowed = -(-max(0, pending) // forced)  # iterations until the prompts are in
     life = max(1.0, max_tokens / max(tokens_per_request, 1.0))
     return min(1.0, slowed / life)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request is refused now; `first_token`: its first token's objective refused it
+    (waiting for the load to change cannot help), else its TPOT or an admitted request's."""
+
+    message: str
+    first_token: bool = False
 
 
 class Admission:
@@ -197,8 +207,35 @@ class Admission:
         slo_ttft_ms: float | None = None,
         max_tokens: int | None = None,
     ) -> str | None:
+        """`judge`'s message: why this request should be refused now, or None to admit it."""
+        why = self.judge(slo_tpot_ms, prompt_tokens, slo_ttft_ms, max_tokens)
+        return None if why is None else why.message
+
+    def hold_s(
+        self, slo_tpot_ms: float | None, prompt_tokens: int, slo_ttft_ms: float | None
+    ) -> float:
+        """Seconds a request refused for its TPOT may be held, waiting for the load to allow
+        it: `admission_hold` of its TTFT objective; 0 without one, or when its SLO could not
+        be met even alone (no load that ends can make room for it)."""
+        objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
+        if objective_ms is None or self.cost is None:
+            return 0.0
+        alone_s = self.iteration_s(1, prompt_tokens) / self.tokens_per_request
+        if slo_tpot_ms is not None and 1000.0 * alone_s > self.cfg.slo_headroom * slo_tpot_ms:
+            return 0.0
+        return self.cfg.admission_hold * objective_ms / 1000.0
+
+    def judge(
+        self,
+        slo_tpot_ms: float | None,
+        prompt_tokens: int | None = None,
+        slo_ttft_ms: float | None = None,
+        max_tokens: int | None = None,
+        waited_s: float = 0.0,
+    ) -> Refusal | None:
         """Why a request with this TPOT SLO (and prompt) should be refused now, or None to
-        admit it.
+        admit it; `waited_s`: how long ago it arrived (a held request's first token is due
+        that much sooner).
 
         Refused when the predicted TPOT with it admitted exceeds `slo_headroom` of its own
         SLO, or of the tightest SLO among the requests already admitted: a lenient request
@@ -218,7 +255,8 @@ class Admission:
         objective_ms = None
         if prompt_tokens is not None:
             objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
-        due = None if objective_ms is None else self.clock() + objective_ms / 1000.0
+        left_s = None if objective_ms is None else objective_ms / 1000.0 - waited_s
+        due = None if left_s is None else self.clock() + left_s
         why = self._tpot_refusal(slo_tpot_ms, max_tokens, due)
         over: list[Request] = []
         if why is not None and due is not None and self.cfg.prompts_yield:
@@ -230,15 +268,18 @@ class Admission:
                 why = None
             else:
                 over = []
-        if why is not None or objective_ms is None or prompt_tokens is None:
-            return why
-        ttft = self.predicted_ttft_s(prompt_tokens, objective_ms / 1000.0)
-        if ttft is not None and 1000.0 * ttft > self.cfg.slo_headroom * objective_ms:
+        if why is not None:
+            return Refusal(why)
+        if objective_ms is None or left_s is None or prompt_tokens is None:
+            return None
+        ttft = self.predicted_ttft_s(prompt_tokens, left_s)
+        if ttft is not None and waited_s + ttft > self.cfg.slo_headroom * objective_ms / 1000.0:
             named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
-            return (
-                f"the first token would come after about {ttft:.1f} s at the current load, "
-                f"past this request's time-to-first-token objective of "
-                f"{objective_ms / 1000.0:.1f} s ({named}); retry later"
+            return Refusal(
+                f"the first token would come after about {waited_s + ttft:.1f} s at the "
+                f"current load, past this request's time-to-first-token objective of "
+                f"{objective_ms / 1000.0:.1f} s ({named}); retry later",
+                first_token=True,
             )
         for r in over:
             r.prefill_yields = True

@@ -22,6 +22,7 @@ from adaserve.bench.report import RequestRecord
 from adaserve.bench.trace import BenchRequest
 from adaserve.cluster.router import Router, replica_stats
 from adaserve.config import CacheConfig, SchedulerConfig
+from adaserve.request_manager.admission import Refusal
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.request import Request, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
@@ -160,6 +161,8 @@ def simulate(
     pending = sorted(reqs, key=lambda r: r.send_time_s)
     live: list[tuple[BenchRequest, Request]] = []
     refused: list[RequestRecord] = []
+    # Refused for their TPOT, waiting for room on a replica: (request, index, replica).
+    held: list[tuple[BenchRequest, int, int]] = []
     stats = SimRun([], 0, 0, 0, 0, 0, 0, 0, num_blocks * len(reps), 0.0, reps[0].drafter)
     bar = tqdm(total=len(pending), desc=desc, unit="req", disable=not progress, leave=False)
     start, i = time.perf_counter(), 0
@@ -173,20 +176,41 @@ def simulate(
             if b.send_time_s >= refresh_at:
                 router.refresh([replica_stats(r.sched.admission) for r in reps])
                 refresh_at = b.send_time_s + setup.router_stats_period_s
-            where, why = _route(router, reps, b, setup)
-            if where is None:
-                refused.append(_refused(b, why or "no replica"))
-            else:
-                rep = reps[where]
-                if not rep.sched.has_unfinished():
-                    rep.clock.jump_to(b.send_time_s)
-                live.append((b, _add(rep.sched, b, i, rng)))
+            where, why, why_at = _route(router, reps, b, setup)
+            if where is not None:
+                live.append((b, _admit(reps[where], b, i, rng, b.send_time_s)))
                 router.routed(where)
+            elif why is not None and _holds(reps[why_at], b, why, 0.0):
+                held.append((b, i, why_at))
+            else:
+                refused.append(_refused(b, why.message if why else "no replica"))
             i += 1
             continue
         assert soonest is not None
         bar.update(_iterate(soonest, setup, stats, on_step))
+        # Held requests are looked at again after every iteration of their replica, as
+        # its engine thread does (api/async_engine.py): admitted, refused, or held on.
+        still = []
+        for b, j, k in held:
+            rep = reps[k]
+            if rep is not soonest:
+                still.append((b, j, k))
+                continue
+            waited = max(0.0, rep.clock() - b.send_time_s)
+            why = rep.sched.admission.judge(
+                b.slo_tpot_ms, _prompt_len(rep.sched, b), max_tokens=b.max_tokens, waited_s=waited
+            )
+            if why is None:
+                live.append((b, _add(rep.sched, b, j, rng)))
+                router.routed(k)
+            elif _holds(rep, b, why, waited):
+                still.append((b, j, k))
+            else:
+                refused.append(_refused(b, why.message))
+        held = still
     bar.close()
+    # Held on a replica that went idle and got nothing more to run: no load ended for them.
+    refused += [_refused(b, "held until the replay ended") for b, _, _ in held]
     stats.wall_s = time.perf_counter() - start
     stats.preemptions = sum(r.sched.num_preemptions for r in reps)
     stats.records = sorted([*(_record(b, r) for b, r in live), *refused], key=lambda r: r.index)
@@ -195,24 +219,40 @@ def simulate(
 
 def _route(
     router: Router, reps: list[_Replica], b: BenchRequest, setup: SimSetup
-) -> tuple[int | None, str | None]:
-    """The replica that takes `b`, or None and why it was refused. The SLO router tries its
-    feasible replicas in order (the ingress moves on after a 429); the others send the
-    request to their first choice, whose admission alone decides."""
+) -> tuple[int | None, Refusal | None, int]:
+    """The replica that takes `b` (else None, why it was refused, and the replica that
+    refused it first, where it may be held). The SLO router tries its feasible replicas in
+    order (the ingress moves on after a 429); the others send the request to their first
+    choice, whose admission alone decides."""
     ranked = router.rank(b.slo_tpot_ms)
     if setup.admission != "slo":
-        return (ranked[0] if ranked else router.fallback()), None
+        return (ranked[0] if ranked else router.fallback()), None, 0
     if not ranked:
-        return None, f"no replica can meet slo_tpot_ms {b.slo_tpot_ms:g} at the current load"
+        why = f"no replica can meet slo_tpot_ms {b.slo_tpot_ms:g} at the current load"
+        return None, Refusal(why, first_token=True), 0  # nowhere to hold it
     tries = ranked if setup.router == "slo" else ranked[:1]
-    why = None
+    first: Refusal | None = None
     for k in tries:
-        why = reps[k].sched.admission.refusal(
+        why = reps[k].sched.admission.judge(
             b.slo_tpot_ms, _prompt_len(reps[k].sched, b), max_tokens=b.max_tokens
         )
         if why is None:
-            return k, None
-    return None, why
+            return k, None, 0
+        first = first or why
+    return None, first, tries[0]
+
+
+def _holds(rep: _Replica, b: BenchRequest, why: Refusal, waited: float) -> bool:
+    """A request refused for its TPOT stays held on `rep` while its hold lasts
+    (`Admission.hold_s`), as that server's engine thread would hold it."""
+    hold = rep.sched.admission.hold_s(b.slo_tpot_ms, _prompt_len(rep.sched, b), None)
+    return not why.first_token and waited < hold
+
+
+def _admit(rep: _Replica, b: BenchRequest, i: int, rng: random.Random, now: float) -> Request:
+    if not rep.sched.has_unfinished():
+        rep.clock.jump_to(now)
+    return _add(rep.sched, b, i, rng)
 
 
 def _iterate(

@@ -387,6 +387,55 @@ def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> Non
     assert engine.admission.refusal(1000) is None, "the tight request left: room again"
 
 
+def _behind_a_tight_stream(tiny_llama, hold: float, second: dict) -> tuple[httpx.Response, float]:
+    """A request with `second`'s fields sent while a 100 ms stream decodes, on an engine whose
+    decode iteration costs 50 ms + 20 ms per request (so a second stream would make it 90 ms):
+    its response and the seconds it took."""
+    from tests.virtual_time import slow_forwards
+
+    engine = slow_forwards(
+        make_engine(tiny_llama, max_num_seqs=8, admission_hold=hold), lambda n: 0.05 + 0.02 * n
+    )
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        first: dict = {}
+        body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
+        t = threading.Thread(target=lambda: first.update(r=complete(srv.url, **body)))
+        t.start()
+        wait_for(lambda: engine.scheduler.running, 10, "the 100 ms stream decodes")
+        start = time.monotonic()
+        r = complete(srv.url, max_tokens=4, **second)
+        took = time.monotonic() - start
+        t.join(60)
+        assert first["r"].status_code == 200, first["r"].text
+        wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
+    return r, took
+
+
+def test_slo_admission_holds_a_request_until_a_stream_makes_room(tiny_llama) -> None:
+    """Refused for its TPOT only because a 100 ms stream decodes, a request is held (no KV,
+    not scheduled) and served once that stream ends, within its hold (half its 30 s TTFT
+    objective); with --admission-hold 0 the same request is refused at arrival."""
+    served, _ = _behind_a_tight_stream(
+        tiny_llama, 0.5, {"slo_tpot_ms": 1000, "slo_ttft_ms": 30_000}
+    )
+    assert served.status_code == 200, served.text
+    assert served.json()["usage"]["completion_tokens"] == 4
+    refused, _ = _behind_a_tight_stream(
+        tiny_llama, 0.0, {"slo_tpot_ms": 1000, "slo_ttft_ms": 30_000}
+    )
+    assert refused.status_code == 429, refused.text
+    assert "past their slo_tpot_ms 100" in refused.text, refused.text
+
+
+def test_slo_admission_refuses_a_held_request_when_its_hold_runs_out(tiny_llama) -> None:
+    """Held for half its 400 ms TTFT objective while the 100 ms stream still has hundreds of
+    tokens to go: then refused with the reason (429), not queued behind it."""
+    r, took = _behind_a_tight_stream(tiny_llama, 0.5, {"slo_tpot_ms": 1000, "slo_ttft_ms": 400})
+    assert r.status_code == 429 and "retry-after" in r.headers, r.text
+    assert "past their slo_tpot_ms 100" in r.text, r.text
+    assert took >= 0.2, f"refused after {took:.3f} s: not held for its 0.2 s"
+
+
 def test_slo_admission_counts_the_prefill_a_ttft_objective_forces(tiny_llama) -> None:
     from tests.virtual_time import slow_forwards
 
@@ -452,8 +501,8 @@ def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(t
     # (its life, over which it pays for prompts prefilled after it; the engine thread runs
     # freely on the virtual clock here, so the backlog drains before the request arrives).
     asked = []
-    refusal = engine.admission.refusal
-    engine.admission.refusal = lambda *a: asked.append(a) or refusal(*a)
+    judge = engine.admission.judge
+    engine.admission.judge = lambda *a: asked.append(a[:4]) or judge(*a)
     with ThreadServer(build_app(engine, ServerConfig())) as srv:
         r = complete(srv.url, prompt=document, max_tokens=2, slo_ttft_ms=9000)
         assert r.status_code == 200, r.text

@@ -152,3 +152,62 @@ def test_the_prefill_probe_sets_every_records_ttft_objective() -> None:
         replay("http://x", reqs, progress=False, transport=transport, prefill_ms_per_token=3.0)
     )
     assert given[0].prefill_ms_per_token == 3.0, "a given speed is used, not measured"
+
+
+class RefusingServer(ScriptedServer):
+    """Refuses each streamed request `refusals` times (429 with the given hint headers, or a
+    400 when `status` says so), then streams it."""
+
+    def __init__(self, refusals: int, hint: dict[str, str], status: int = 429) -> None:
+        super().__init__()
+        self.refusals, self.hint, self.status = refusals, hint, status
+        self.sends: list[float] = []
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions" and json.loads(request.content).get("stream"):
+            self.sends.append(asyncio.get_running_loop().time())
+            if len(self.sends) <= self.refusals:
+                err = {"error": {"message": "the load cannot meet slo_tpot_ms"}}
+                return httpx.Response(self.status, json=err, headers=self.hint)
+        return await super().__call__(request)
+
+
+def retried(server: RefusingServer, retries: int):
+    transport = httpx.MockTransport(server)
+    reqs = [bench_request(0, "multi", 0.0)]
+    _, (rec,), _ = asyncio.run(
+        replay("http://x", reqs, progress=False, transport=transport, retries=retries)
+    )
+    return rec
+
+
+def test_a_refused_request_is_sent_again_after_the_servers_hint() -> None:
+    server = RefusingServer(refusals=2, hint={"retry-after-ms": "150", "Retry-After": "1"})
+    rec = retried(server, retries=2)
+    assert rec.completed and rec.error is None and rec.attempts == 3
+    gaps = [b - a for a, b in zip(server.sends, server.sends[1:])]
+    assert all(0.14 <= g < 0.5 for g in gaps), f"retry-after-ms (150 ms) not honoured: {gaps}"
+    assert rec.sent_s is not None and rec.ttft_s is not None and rec.ttft_s >= 0.28, (
+        "the TTFT counts from the first send, so the waits are in it"
+    )
+
+
+def test_retries_run_out_and_the_last_refusal_is_recorded() -> None:
+    server = RefusingServer(refusals=5, hint={"Retry-After": "0.05"})
+    rec = retried(server, retries=1)
+    assert rec.attempts == 2 and len(server.sends) == 2, "one send and one retry, no more"
+    assert rec.error == "HTTP 429: the load cannot meet slo_tpot_ms" and not rec.completed
+    assert retried(RefusingServer(refusals=1, hint={}), retries=0).attempts == 1, (
+        "without retries a refusal is final"
+    )
+
+
+def test_a_client_error_is_not_retried_and_a_missing_hint_backs_off() -> None:
+    bad = RefusingServer(refusals=1, hint={}, status=400)
+    rec = retried(bad, retries=2)
+    assert len(bad.sends) == 1 and rec.error is not None and rec.error.startswith("HTTP 400")
+    server = RefusingServer(refusals=1, hint={"Retry-After": "3600"})  # over 60 s: ignored
+    rec = retried(server, retries=1)
+    assert rec.completed and 0.45 <= server.sends[1] - server.sends[0] < 2.0, (
+        "without a usable hint the first retry waits the 0.5 s backoff"
+    )

@@ -41,12 +41,21 @@ def test_every_request_is_served_or_refused_once(router: str) -> None:
 
 def test_the_slo_router_meets_more_slos_than_power_of_two_on_mixed_slos() -> None:
     # Three classes (30 / 80 / 400 ms), 4 replicas, 33 requests/s, every replica's admission
-    # on: where each request goes decides whether the tight ones fit anywhere.
+    # on and deciding at arrival: where each request goes decides whether the tight ones fit
+    # anywhere. (Holding refused requests, the default, lets a replica take them once its
+    # streams end, which here leaves every router at 96-100%: the next test.)
     reqs = [
         replace(b, slo_tpot_ms=[30.0, 80.0, 400.0][b.trace.index % 3])
         for b in bench_requests(240, 0.03, prompt_words=16, out=48)
     ]
-    base = setup("incremental", LinearCost(), max_num_seqs=256, replicas=4, admission="slo")
+    base = setup(
+        "incremental",
+        LinearCost(),
+        max_num_seqs=256,
+        replicas=4,
+        admission="slo",
+        admission_hold=0.0,
+    )
     got = {
         router: summarize(simulate(reqs, replace(base, router=router)).records)
         for router in ("round_robin", "pow2", "slo")
@@ -54,3 +63,32 @@ def test_the_slo_router_meets_more_slos_than_power_of_two_on_mixed_slos() -> Non
     att = {router: got[router]["slo_attainment"] for router in got}
     assert att["slo"] > att["pow2"] + 0.05 and att["slo"] > att["round_robin"] + 0.05, att
     assert got["slo"]["refused"] < got["pow2"]["refused"] / 2, got
+
+
+def test_holding_refused_requests_serves_them_once_streams_end() -> None:
+    # The same load on power-of-two routing: a request its replica refuses for its TPOT is
+    # held there (half its TTFT objective) and admitted when a stream ends, not refused.
+    reqs = [
+        replace(b, slo_tpot_ms=[30.0, 80.0, 400.0][b.trace.index % 3])
+        for b in bench_requests(240, 0.03, prompt_words=16, out=48)
+    ]
+    got = {
+        hold: summarize(
+            simulate(
+                reqs,
+                setup(
+                    "incremental",
+                    LinearCost(),
+                    max_num_seqs=256,
+                    replicas=4,
+                    admission="slo",
+                    router="pow2",
+                    admission_hold=hold,
+                ),
+            ).records
+        )
+        for hold in (0.0, 0.5)
+    }
+    assert got[0.5]["refused"] < got[0.0]["refused"] / 2, got
+    assert got[0.5]["slo_attainment"] > got[0.0]["slo_attainment"] + 0.05, got
+    assert got[0.5]["slo_attainment"] >= 0.95, "the held requests met TTFT and TPOT once in"
