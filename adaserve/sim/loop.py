@@ -222,15 +222,14 @@ def _route(
 ) -> tuple[int | None, Refusal | None, int]:
     """The replica that takes `b` (else None, why it was refused, and the replica that
     refused it first, where it may be held). The SLO router tries its feasible replicas in
-    order (the ingress moves on after a 429); the others send the request to their first
-    choice, whose admission alone decides."""
+    order (the ingress moves on after a 429), else its fallback; the others send the request
+    to their first choice, whose admission alone decides."""
     ranked = router.rank(b.slo_tpot_ms)
     if setup.admission != "slo":
         return (ranked[0] if ranked else router.fallback()), None, 0
-    if not ranked:
-        why = f"no replica can meet slo_tpot_ms {b.slo_tpot_ms:g} at the current load"
-        return None, Refusal(why, first_token=True), 0  # nowhere to hold it
-    tries = ranked if setup.router == "slo" else ranked[:1]
+    # No replica feasible by the router's stats: the one with the shortest backlog gets it,
+    # and its own admission answers (holds or refuses), as on Ray Serve.
+    tries = (ranked if setup.router == "slo" else ranked[:1]) or [router.fallback()]
     first: Refusal | None = None
     for k in tries:
         why = reps[k].sched.admission.judge(
