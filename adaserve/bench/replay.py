@@ -112,7 +112,9 @@ async def send_one(
     for attempt in range(retries + 1):
         rec.attempts = attempt + 1
         rec.error = None
-        delay = await _send_once(client, url, req, model, rec, t0, headers)
+        delay = await _send_once(
+            client, f"{url}/v1/completions", request_body(req, model), headers, rec, t0
+        )
         if delay is None or attempt == retries:
             return
         await asyncio.sleep(delay)
@@ -120,21 +122,18 @@ async def send_one(
 
 async def _send_once(
     client: httpx.AsyncClient,
-    url: str,
-    req: BenchRequest,
-    model: str,
+    endpoint: str,
+    body: dict,
+    headers: dict[str, str],
     rec: RequestRecord,
     t0: float,
-    headers: dict[str, str],
 ) -> float | None:
     """One send; the seconds to wait before sending again when the server refused it
     in a way a client retries, else None."""
     usage_seen = False
     retry_in: float | None = None
     try:
-        async with client.stream(
-            "POST", f"{url}/v1/completions", json=request_body(req, model), headers=headers
-        ) as r:
+        async with client.stream("POST", endpoint, json=body, headers=headers) as r:
             if r.status_code != 200:
                 text = (await r.aread()).decode(errors="replace")
                 rec.error = f"HTTP {r.status_code}: {_error_message(text)}"
