@@ -62,6 +62,7 @@ class TreePlanner:
     ) -> None:
         self.cfg, self.engine = cfg, engine
         self.drafter: Drafter | None = None
+        self.num_draft_failures = 0  # iterations whose drafter raised (verified roots only)
         # Policy adaserve: SpeculationController; every other policy: the null controller.
         self.controller: Controller = NoControl(cfg)
         if not cfg.speculative:
@@ -134,9 +135,19 @@ class TreePlanner:
         except Exception:
             # Drafts are only proposals: a failing drafter costs this iteration its
             # speculation, never a request. Its per-request state is dropped (rebuilt later).
-            logger.exception(
-                "drafter %s failed; this iteration verifies roots only", self.drafter.name
-            )
+            # The traceback once, then a count: formatting one costs ~1 ms an iteration.
+            self.num_draft_failures += 1
+            n = self.num_draft_failures
+            if n == 1:
+                logger.exception(
+                    "drafter %s failed; this iteration verifies roots only", self.drafter.name
+                )
+            elif n & (n - 1) == 0:
+                logger.error(
+                    "drafter %s has failed in %d iterations (traceback logged at the first)",
+                    self.drafter.name,
+                    n,
+                )
             for r in reqs:
                 r.draft_num_cached = 0
                 self.drafter.on_release(r)

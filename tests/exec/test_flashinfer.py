@@ -388,27 +388,32 @@ def test_flashinfer_graph_mode_replays_with_new_lengths() -> None:
         assert err < 1e-2, f"replay with kv_lens {kv_lens}: error {err:.2e}"
 
 
-def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], int]:
+    """Greedy outputs in prompt order, and the tree tokens accepted on the way."""
     from adaserve import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params).request_id for p in prompts]
-    done = {}
+    done, accepted = {}, 0
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out.outputs[0].token_ids
-    return [done[i] for i in ids]
+        accepted += engine.last_stats.accepted_tokens
+    return [done[i] for i in ids], accepted
 
 
 @cuda_only
 @pytest.mark.cuda
-@pytest.mark.parametrize("policy", ["incremental", "adaserve"])
+@pytest.mark.parametrize("policy", ["incremental", "adaserve", "sequence"])
 def test_greedy_generation_on_gpu_is_transformers_greedy(tmp_path_factory, policy: str) -> None:
     """FlashInfer has no float32, so the reference is HF transformers on the GPU in float16.
 
     Checked teacher-forced: every token we emit must be HF's argmax given the same prefix, up
     to float16 ties (a top logit within 0.05), which then let the two paths part honestly.
+    `sequence` drafts every iteration (no control) with the target as its own draft, so trees
+    are drafted on the GPU and accepted: a drafter that fails there (it did, on a host tensor)
+    would otherwise pass here by verifying roots only.
     """
     pytest.importorskip(MODULE)
     from transformers import AutoModelForCausalLM
@@ -420,10 +425,12 @@ def test_greedy_generation_on_gpu_is_transformers_greedy(tmp_path_factory, polic
     # hidden 256 over 4 heads: head_dim 64, which FlashInfer's kernels are built for
     target = make_tiny_checkpoint(tmp_path_factory.mktemp("target"), hidden=256)
     draft = None
-    if policy != "incremental":
+    if policy == "adaserve":
         draft = make_tiny_checkpoint(
             tmp_path_factory.mktemp("draft"), num_layers=1, seed=1, hidden=256
         )
+    elif policy == "sequence":
+        draft = target  # its own draft: every drafted token it proposes is accepted
     engine = LLMEngine(
         ModelConfig(
             model=str(target),
@@ -437,7 +444,10 @@ def test_greedy_generation_on_gpu_is_transformers_greedy(tmp_path_factory, polic
     )
     rng = random.Random(0)
     prompts = [[rng.randrange(2, 96) for _ in range(n)] for n in (5, 13, 21)]
-    outputs = _greedy(engine, prompts, 24)
+    outputs, accepted = _greedy(engine, prompts, 24)
+    assert engine.scheduler.planner.num_draft_failures == 0
+    if policy == "sequence":
+        assert accepted > 0, "the self-draft's trees were never accepted"
     hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float16).cuda().eval()
     for prompt, out in zip(prompts, outputs):
         assert len(out) == 24

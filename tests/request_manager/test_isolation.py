@@ -4,6 +4,8 @@ Every other request finishes with exactly the output of a fault-free run, and no
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from adaserve import SamplingParams
@@ -43,7 +45,7 @@ CASES = [(s, p) for p in ("incremental", "adaserve_paper") for s in STAGES]
 
 
 @pytest.mark.parametrize("stage, policy", CASES + [("drafter", "adaserve_paper")])
-def test_a_fault_in_one_request_fails_it_alone(pair, monkeypatch, stage, policy):
+def test_a_fault_in_one_request_fails_it_alone(pair, monkeypatch, caplog, stage, policy):
     target, draft = pair
     draft = None if policy == "incremental" else draft
     ref = run_all(make_engine(target, draft, policy))
@@ -99,7 +101,15 @@ def test_a_fault_in_one_request_fails_it_alone(pair, monkeypatch, stage, policy)
             return real_propose(reqs, shape, keep_going)
 
         sched.drafter.propose = propose
-    outs = run_all(engine)
+    with caplog.at_level(logging.ERROR, logger="adaserve.speculation"):
+        outs = run_all(engine)
+    if stage == "drafter":
+        # Counted, the traceback logged once: a drafter failing every iteration (a device
+        # mismatch on a GPU did) must show in the count, not cost a traceback per iteration.
+        assert engine.scheduler.planner.num_draft_failures == 2
+        logged = [r for r in caplog.records if r.name == "adaserve.speculation"]
+        assert [r.exc_info is not None for r in logged] == [True, False]
+        assert "has failed in 2 iterations" in logged[1].getMessage()
     for out, want, prompt in zip(outs, ref, PROMPTS):
         if prompt[0] == BAD and stage != "drafter":
             assert out.outputs[0].finish_reason == "error", out.outputs[0]

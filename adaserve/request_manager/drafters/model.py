@@ -124,8 +124,11 @@ def _grow(
     """
     new_frontier = []
     if shape.expansion is None:
+        # On the draft's device: beam search adds it to logprobs there (on a GPU a host
+        # tensor made every draft fail, so speculation silently ran roots only).
         path = torch.tensor(
-            [[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)]
+            [[trees[i].path_logprobs[v] for v in f] for i, f in enumerate(frontier)],
+            device=logprobs.device,
         )
         parent, token, tok_lp, _ = beam_search_step(path, logprobs, shape.width)
         if vocab is not None:
