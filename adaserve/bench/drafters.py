@@ -192,6 +192,13 @@ def main() -> None:
     )
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "ggml"))
     ap.add_argument(
+        "--record-iterations",
+        metavar="DIR",
+        default=None,
+        help="append each configuration's iteration timelines to DIR/<policy>_<drafter>.jsonl "
+        "(every pass of it; see request_manager/timeline.py)",
+    )
+    ap.add_argument(
         "--rounds",
         type=int,
         default=2,
@@ -210,10 +217,18 @@ def main() -> None:
     trace = load_trace(args.trace)
 
     def factory(policy: str, drafter: str) -> Callable[[], LLMEngine]:
+        timeline = None
+        if args.record_iterations:
+            timeline = str(Path(args.record_iterations) / f"{policy}_{drafter or 'auto'}.jsonl")
         return lambda: LLMEngine(
             ModelConfig(model=args.model, drafter=drafter or "auto", backend=args.backend),
             CacheConfig(),
-            SchedulerConfig(policy=policy, budget=args.budget, max_num_seqs=max(args.concurrency)),
+            SchedulerConfig(
+                policy=policy,
+                budget=args.budget,
+                max_num_seqs=max(args.concurrency),
+                record_iterations=timeline,
+            ),
         )
 
     factories = {}

@@ -18,6 +18,9 @@ forward time by tokens and context, measured from the iterations the server runs
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
    decoding, so an iteration never predicts fewer tokens per second than incremental.
+   T(n + k) is never taken below T(n) + k x the cost model's per-token slope around those
+   sizes (`verify_s`): two adjacent buckets' fits can differ by noise alone, and a node
+   priced at that difference is verified whatever its acceptance.
    Exploration: until `explore_observations` depth-1 nodes have been verified, what pays is
    the prior's word (a suffix drafter's chains say q = 1 at every depth), so nothing is kept
    for it alone: the most probable nodes are verified to learn, up to `explore_cost` of a
@@ -126,7 +129,7 @@ class SpeculationController:
                 * (1 + k)
                 / (
                     k * self.draft_step_s(step_tokens, context)
-                    + self.forward_s(n + n * k, context, self.node_pairs(n, context, n * k))
+                    + self.verify_s(n, n * k, context, self.node_pairs(n, context, n * k))
                 )
             )
             best = max(best, spec)
@@ -182,6 +185,17 @@ class SpeculationController:
         padded_s = cost.predict(padded, context, padded - tokens, 0, tree_pairs)
         return max(padded_s, MIN_FORWARD_S)
 
+    def verify_s(self, n: int, nodes: int, context: int, tree_pairs: int = 0) -> float:
+        """Predicted time of a forward of `n` roots and `nodes` tree nodes: never less than the
+        roots' forward plus `nodes` x the cost model's per-token slope over the sizes around
+        (`token_slope`), so nodes are not priced at the difference of two noisy buckets' fits."""
+        spec = self.forward_s(n + nodes, context, tree_pairs)
+        if nodes <= 0:
+            return spec
+        slope = self.verify_cost.token_slope(n, n + nodes, context)
+        floor = self.forward_s(n, context) + nodes * slope
+        return max(spec, floor)
+
     @staticmethod
     def node_pairs(n: int, context: int, nodes: int) -> int:
         """Extra pairs of `nodes` tree nodes over `n` requests holding `context` tokens, each
@@ -231,7 +245,7 @@ class SpeculationController:
                 mass += sum(cal.path_prob(v) for v in nodes_)
                 nodes += len(nodes_)
             pairs = self.node_pairs(num_requests, context, nodes)
-            extra = self.forward_s(num_requests + nodes, context, pairs) - self.forward_s(
+            extra = self.verify_s(num_requests, nodes, context, pairs) - self.forward_s(
                 num_requests, context
             )
             step_s = self.draft_step_s(nodes, context)
@@ -296,7 +310,7 @@ class SpeculationController:
         expected = best_expected = float(n)
         for k, (*_, r, v) in enumerate(adds, start=1):
             expected += trees[r].path_prob(v)
-            rate = expected / self.forward_s(n + k, context, pairs[k])
+            rate = expected / self.verify_s(n, k, context, pairs[k])
             if rate > best_rate:
                 best_k, best_rate, best_expected = k, rate, expected
         if self.exploring:
@@ -308,13 +322,13 @@ class SpeculationController:
         # costs (net of what it gets accepted) stays within explore_budget of the plain
         # forward time, however costly a tree token is on this backend; when the credit
         # cannot pay for them all, the most probable nodes it can pay for.
-        base_s = self.forward_s(n + best_k, context, pairs[best_k])
+        base_s = self.verify_s(n, best_k, context, pairs[best_k])
         while explore_k > best_k and (
-            self.forward_s(n + explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
+            self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
         ):
             explore_k -= 1
         if explore_k > best_k:
-            self.explore_credit -= self.forward_s(n + explore_k, context, pairs[explore_k]) - base_s
+            self.explore_credit -= self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s
             self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
             best_k = explore_k
             best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
@@ -345,7 +359,7 @@ class SpeculationController:
         if self.exploring:
             limit = (1.0 + self.cfg.explore_cost) * plain_s
             k = 1
-            while k < candidates and self.forward_s(n + k + 1, context, pairs[k + 1]) <= limit:
+            while k < candidates and self.verify_s(n, k + 1, context, pairs[k + 1]) <= limit:
                 k += 1
             return k
         if best_k:
@@ -368,15 +382,15 @@ class SpeculationController:
         observations so far allow (an upper confidence bound)? Where a tree token costs
         nearly a forward, a few rejections end exploring; where it is almost free, never."""
         ucb = self.calibrator.acceptance_upper_bound(1, EXPLORE_DELTA)
-        one = self.forward_s(n + 1, context, self.node_pairs(n, context, 1))
+        one = self.verify_s(n, 1, context, self.node_pairs(n, context, 1))
         return (n + ucb) / one > n / self.forward_s(n, context)
 
     def iteration_ratio(
         self, expected: float, n: int, tokens: int, context: int, draft_s: float
     ) -> float:
         """R of one iteration: its tokens/s (E tokens in draft + verify time) over incremental's."""
-        verify_s = self.forward_s(tokens, context, self.node_pairs(n, context, tokens - n))
-        spec = expected / (draft_s + verify_s)
+        verify = self.verify_s(n, tokens - n, context, self.node_pairs(n, context, tokens - n))
+        spec = expected / (draft_s + verify)
         return spec / (n / self.forward_s(n, context))
 
     # ------------------------------------------------------------------ observation

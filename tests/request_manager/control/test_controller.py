@@ -376,3 +376,26 @@ def test_a_node_of_a_long_request_is_priced_by_the_keys_it_attends():
     assert kept == [[0, 1]], "a node 200 tokens in (+2.5 ms for +0.6 tokens) should pay"
     kept, _ = ctl.prune([tree], [[0, 1]], [[0]], context=8200, cached=[8000])
     assert kept == [[0]], "a node 8,000 tokens in (+22.8 ms for +0.6 tokens) was kept"
+
+
+def test_a_node_is_not_priced_at_the_difference_of_two_noisy_buckets():
+    # llama.cpp-like: 5 ms a row; bucket 12 came out 2 ms under bucket 11. At 11 rows one
+    # tree node would then look free and be verified whatever its acceptance; it costs ~5 ms
+    # where an accepted token is worth ~5.5 ms (62 / 11), so a node accepted half the time
+    # does not pay.
+    cost = ForwardCostModel()
+    for n in range(1, 17):
+        for _ in range(20):
+            cost.observe(n, 800, {11: 62.0, 12: 60.0}.get(n, 6 + 5 * n) / 1000)
+    assert cost.predict(12, 800) < cost.predict(11, 800)
+    cfg = SchedulerConfig(policy="adaserve", budget=32)
+    ctl = SpeculationController(cfg, False, 0, cost)
+    for i in range(4 * cfg.explore_observations):  # half the q = 0.5 nodes were accepted
+        ctl.calibrator.observe(1, 0.5, i % 2 == 0)
+    assert not ctl.exploring
+    trees = [_tree([0.5])] + [CandidateTree.root(1) for _ in range(10)]
+    selection = [[0, 1]] + [[0] for _ in range(10)]
+    kept, expected = ctl.prune(trees, selection, [[0]] * 11, context=800)
+    assert kept[0] == [0], f"a node accepted half the time was verified at 11 rows: {kept[0]}"
+    assert expected == pytest.approx(11.0)
+    assert ctl.verify_s(11, 1, 800) >= ctl.forward_s(11, 800) + 0.004

@@ -334,3 +334,50 @@ def test_rejects_bad_samples():
         model.observe(1, 10, float("nan"))
     with pytest.raises(ValueError, match="context"):
         model.predict(1, -1)
+
+
+def _ggml_like(noisy: dict[int, float]) -> ForwardCostModel:
+    """Decode forwards at 5 ms a row over 6 ms of fixed cost, each bucket seen 20 times, with
+    `noisy` buckets fitted at other times (as buckets seen over other contexts come out)."""
+    model = ForwardCostModel()
+    for n in range(1, 17):
+        seconds = noisy.get(n, 6 + 5 * n) / 1000
+        for _ in range(20):
+            model.observe(n, 800, seconds)
+    return model
+
+
+def test_the_token_slope_is_the_trend_of_the_neighbouring_buckets():
+    clean = _ggml_like({})
+    assert clean.token_slope(11, 12, 800) == pytest.approx(0.005, rel=1e-6)
+    # 12 tokens fitted a little cheaper than 11: the difference says a token costs nothing,
+    # the neighbourhood says ~5 ms.
+    noisy = _ggml_like({11: 62.0, 12: 60.0})
+    assert noisy.predict(12, 800) < noisy.predict(11, 800)
+    assert noisy.token_slope(11, 12, 800) == pytest.approx(0.005, rel=0.2)
+    # Where the cost is flat, so is the slope (and it is never negative).
+    flat = ForwardCostModel()
+    for n in (1, 2, 4, 8):
+        flat.observe(n, 0, 0.004 - 0.0001 * n)
+    assert flat.token_slope(2, 4, 0) == 0.0
+    assert ForwardCostModel().token_slope(4, 5, 0) == 0.0, "no data: no floor"
+
+
+def test_best_padded_prices_only_known_buckets_and_finds_the_cheapest_size():
+    # Between known buckets a prediction is linear in the size, so the knots and the largest
+    # size allowed are the only candidates: the same choice as pricing every bucket size.
+    rng = random.Random(11)
+    for _ in range(200):
+        model = ForwardCostModel()
+        knots = rng.sample([1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256], rng.randint(1, 8))
+        model.seed([(k, rng.randint(0, 4000), rng.uniform(0.002, 0.2)) for k in knots])
+        tokens, context = rng.randint(1, 40), rng.randint(0, 5000)
+        limit = rng.choice([tokens, tokens + 3, 16, 32, 48, 256])
+        sizes = [m for m in range(tokens + 1, limit + 1) if bucket_of(m) == m]
+        brute = min(
+            [model.predict(tokens, context)]
+            + [model.predict(m, context, m - tokens) for m in sizes]
+        )
+        best = model.best_padded(tokens, context, limit)
+        assert tokens <= best <= max(tokens, limit)
+        assert model.predict(best, context, best - tokens) == pytest.approx(brute, rel=1e-9)
