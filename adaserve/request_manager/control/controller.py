@@ -178,9 +178,9 @@ class SpeculationController:
         """Predicted target forward time of `tokens` tokens, at its cheapest padded size;
         `tree_pairs`: the query-key pairs of its tree nodes past their roots (cost_terms)."""
         cost = self.verify_cost
-        padded = cost.best_padded(
-            tokens, context, max(tokens, self.max_pad_tokens), tree_pairs=tree_pairs
-        )
+        if self.max_pad_tokens <= tokens:  # nothing to pad to (llama.cpp: never)
+            return max(cost.predict(tokens, context, 0, 0, tree_pairs), MIN_FORWARD_S)
+        padded = cost.best_padded(tokens, context, self.max_pad_tokens, tree_pairs=tree_pairs)
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         padded_s = cost.predict(padded, context, padded - tokens, 0, tree_pairs)
         return max(padded_s, MIN_FORWARD_S)

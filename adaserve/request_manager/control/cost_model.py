@@ -452,14 +452,17 @@ class ForwardCostModel:
         whatever its acceptance. The slope over the neighbourhood averages that noise out."""
         if self._dirty:
             self._solve()
-        key = (tokens, more, context)
+        lo, hi = max(1, tokens // 2), min(_EXACT_BUCKETS, 2 * max(tokens, more))
+        first = bisect.bisect_left(self._knots, lo)
+        last = bisect.bisect_right(self._knots, hi)
+        if last - first < 2:
+            first, last = 0, bisect.bisect_right(self._knots, _EXACT_BUCKETS)
+        # Keyed by the knots used: the sizes of one pruning pass mostly share them.
+        key = (first, last, context)
         hit = self._slope_memo.get(key)
         if hit is not None:
             return hit
-        lo, hi = max(1, tokens // 2), min(_EXACT_BUCKETS, 2 * max(tokens, more))
-        near = [k for k in self._knots if lo <= k <= hi]
-        if len(near) < 2:
-            near = [k for k in self._knots if k <= _EXACT_BUCKETS]
+        near = self._knots[first:last]
         slope = 0.0
         if len(near) >= 2:
             ws = [max(self._stats[k][_ONE][_ONE], 1e-9) for k in near]
