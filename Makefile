@@ -4,6 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ARGS ?=
+LLAMA_CMAKE_ARGS ?= $(if $(filter x86_64 amd64,$(shell uname -m)),-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8,)
 
 .PHONY: install serve test lint clean
 
@@ -18,8 +19,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e ".[dev,cluster]"
 	# The cpu extra builds llama.cpp (the ggml backend the default model runs on): ~3.5 min once,
 	# needs a C++ compiler and cmake. Without it everything runs on the torch backend.
+	# ggml's AMX kernels die with SIGILL (tileloadd) on some AMX-capable virtual machines; the
+	# build keeps every other native instruction (AVX-512, VNNI) and leaves AMX out on x86-64.
 	@echo "adaserve: [4/4] building llama.cpp for the ggml backend (about 3.5 minutes on 2 cores, once)"
-	$(BIN)/pip install -q -e ".[dev,cluster,cpu]" || echo "adaserve: llama-cpp-python did not build;" \
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS) $$CMAKE_ARGS" $(BIN)/pip install -q -e ".[dev,cluster,cpu]" || echo "adaserve: llama-cpp-python did not build;" \
 		"the default model will run on the (slower) torch backend"
 	@echo "adaserve: set up"
 	touch $(STAMP)

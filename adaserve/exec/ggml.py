@@ -24,6 +24,7 @@ How a plan maps onto llama.cpp:
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from adaserve.exec.timing import forward_cost_points
 # llama.cpp's flash attention on the CPU skips masked cells and tiles: with many requests in
 # one shared cache every query row would otherwise pay for every request's cells.
 FLASH_ATTN_ENABLED = 1
+
+logger = logging.getLogger("adaserve.ggml")
 
 
 def ggml_available() -> bool:
@@ -60,6 +63,13 @@ def _lib():
             "(it builds llama.cpp from source, a few minutes on first install)"
         ) from exc
     return llama_cpp
+
+
+def amx_build(lc) -> bool:
+    """llama.cpp was compiled with its AMX matrix kernels (`-march=native` on a CPU with AMX).
+    On some AMX-capable virtual machines those kernels die with SIGILL at the first forward
+    (a `tileloadd` without usable tile state): the process is killed, nothing can catch it."""
+    return "AMX_INT8 = 1" in lc.llama_print_system_info().decode(errors="replace")
 
 
 _log_callback = None  # keeps the ctypes callback alive for as long as llama.cpp may call it
@@ -93,6 +103,19 @@ class LlamaCppContext:
         self.max_seqs = int(lc.llama_max_parallel_sequences())
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
+        # Whether weights may sit in llama.cpp's extra (repacked, AMX) buffer types.
+        self.extra_buffers = not amx_build(lc)
+        if not self.extra_buffers:
+            # The AMX kernels run only on weights in llama.cpp's "extra" buffer types: keep the
+            # weights in plain CPU buffers, so those kernels never run (the Makefile builds
+            # llama.cpp without them; a wheel built elsewhere may still have them).
+            mp.use_extra_bufts = False
+            logger.warning(
+                "llama.cpp was built with AMX kernels, which crash on some machines: adaserve "
+                "does not use them. Rebuild without them for llama.cpp's weight repacking: "
+                "CMAKE_ARGS='-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8' "
+                "pip install --force-reinstall --no-cache-dir llama-cpp-python"
+            )
         self.model = lc.llama_model_load_from_file(str(gguf).encode(), mp)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {gguf} (not a GGUF model it knows?)")

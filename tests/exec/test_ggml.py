@@ -10,6 +10,7 @@ and end to end they compare each policy with incremental decoding on one request
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ from adaserve import LLM, LLMEngine, SamplingParams  # noqa: E402
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig  # noqa: E402
 from adaserve.exec.batch import SequenceBatchBuilder  # noqa: E402
 from adaserve.exec.default_model import default_gguf_file, default_model_dir  # noqa: E402
-from adaserve.exec.ggml import GgmlRunner  # noqa: E402
+from adaserve.exec.ggml import GgmlRunner, amx_build  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -80,6 +81,20 @@ def verify_tree(runner: GgmlRunner, table: list[int]) -> torch.Tensor:
     logits = runner.forward(b.batch)
     assert logits is not None
     return logits
+
+
+def test_llama_cpps_amx_kernels_never_run(runner):
+    """On some AMX-capable VMs (this project's 2-core KVM machines among them) llama.cpp's AMX
+    kernels kill the process with SIGILL: the Makefile builds llama.cpp without them on x86-64,
+    and a library built with them (a wheel from elsewhere) gets no extra buffer types, the
+    only place those kernels run (docs/ggml.md)."""
+    lc = runner.llama.lc
+    info = lc.llama_print_system_info().decode()
+    assert "AVX" in info or "NEON" in info, info  # the check reads llama.cpp's real feature list
+    if amx_build(lc):
+        assert not runner.llama.extra_buffers
+    elif platform.machine() in ("x86_64", "AMD64"):
+        assert runner.llama.extra_buffers, "a build without AMX keeps llama.cpp's repacking"
 
 
 def test_every_tree_node_gets_the_logits_of_its_path_alone(runner):
