@@ -65,7 +65,8 @@ predicted time off (a fit on few mixed forwards must not price a big chunk at no
 `token_slope(n, m, c)` is the weighted least-squares slope, in the token count, of the
 predictions at the known exact buckets from n/2 to 2m: what one more token costs around those
 sizes with the buckets' own noise averaged out (speculation control prices tree nodes no lower
-than that; a difference of two adjacent buckets can come out at nothing or below).
+than that; a difference of two adjacent buckets can come out at nothing or below); 0 (no
+floor) from n = 32 on, where forwards are priced between power-of-two knots.
 """
 
 from __future__ import annotations
@@ -450,6 +451,12 @@ class ForwardCostModel:
         forward no dearer than an 11-token one (seen on llama.cpp: 59.1 and 58.9 ms predicted
         at 800 context tokens, ~4 ms apart measured), and a node priced at nothing is verified
         whatever its acceptance. The slope over the neighbourhood averages that noise out."""
+        if tokens >= _EXACT_BUCKETS:
+            # Forwards this big are priced between power-of-two knots, linearly: no adjacent
+            # noisy buckets to average, and the exact ones below are no guide here (seen only
+            # over short contexts, their context slopes extrapolated to a batch's 17k tokens
+            # priced a tree node at 1 ms on a table where one costs 0.15 ms).
+            return 0.0
         if self._dirty:
             self._solve()
         lo, hi = max(1, tokens // 2), min(_EXACT_BUCKETS, 2 * max(tokens, more))

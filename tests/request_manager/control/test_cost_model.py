@@ -363,6 +363,23 @@ def test_the_token_slope_is_the_trend_of_the_neighbouring_buckets():
     assert ForwardCostModel().token_slope(4, 5, 0) == 0.0, "no data: no floor"
 
 
+def test_no_token_slope_floor_beyond_the_exact_buckets():
+    """From 32 roots on, forwards are priced between power-of-two knots (linear, no noisy
+    neighbours): the exact buckets, seen only over short contexts, must not price a tree node
+    there. Their context slopes differ (a decode bucket's fit is noisy), and extrapolated to a
+    big batch's context they once put a node at 1 ms where the knots said 0.15 ms."""
+    model = ForwardCostModel()
+    for n in range(1, 33):
+        for c in (100, 400):  # exact buckets over short contexts, slopes that differ by bucket
+            model.observe(n, c, (20 + 0.3 * n + (0.01 if n % 2 else 0.05) * c / 100) / 1000)
+    for n, ms in ((64, 40.0), (128, 48.0), (256, 66.0)):
+        for c in (8000, 20000):
+            model.observe(n, c, (ms + c / 2000) / 1000)
+    assert model.token_slope(52, 104, 17000) == 0.0
+    spread = model.predict(104, 17000) - model.predict(52, 17000)
+    assert spread / 52 < 0.0005, "the knots' own price of a token here"
+
+
 def test_best_padded_prices_only_known_buckets_and_finds_the_cheapest_size():
     # Between known buckets a prediction is linear in the size, so the knots and the largest
     # size allowed are the only candidates: the same choice as pricing every bucket size.
