@@ -29,8 +29,9 @@ from tests.e2e.harness import serve_subprocess
 
 MAX_TOKENS = 12
 PROMPTS = [f"Request {i}: the list of colours is" for i in range(8)]
-# Loose TPOT SLOs (the tiny model decodes in a few ms): every request is feasible.
-SLOS = [None, 2000, 500, None, 1000, 3000, None, 800]
+# Loose TPOT SLOs (the tiny model decodes in a few ms): every request is feasible, even on
+# a loaded CI machine, where one replica's fitted cost once predicted 508 ms for a 500 ms SLO.
+SLOS = [None, 2000, 1500, None, 1000, 3000, None, 2500]
 
 
 @pytest.fixture(scope="module")
