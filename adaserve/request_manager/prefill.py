@@ -21,7 +21,7 @@ large as the running requests' SLOs allow (docs/scheduling.md has the rule with 
               prompt, are silent: no logits, and they attend c p + c (c + 1) / 2 keys)
     cap     = max_prefill_chunk while anything decodes (requests without an SLO tolerate that
               much), max_num_batched_tokens when nothing does
-    chunk   = max(chunk, c_ttft) while the first prompt's TTFT objective can be met (below),
+    chunk   = max(chunk, c_ttft) while some prompt's TTFT objective can be met (below),
               else max(chunk, min_prefill_chunk)                   (prefill never starves)
 
 with allow_r's bank term clamped to [-repay * pace_r * e_r, max(pace_r, spend * bank_r)]
@@ -33,11 +33,13 @@ small ones), and a request behind its pace takes time back from the prompts unti
 caught up: a deficit is repaid, not carried to the end of the stream.
 
 TTFT deadlines weigh in (`Request.ttft_objective_ms`: slo_ttft_ms, or the default objective
-from the prompt length that every request gets, `slo.ttft_objective_ms`): for the first
-prefilling request with one, the smallest chunk c_ttft that still finishes its remaining
-prompt in time, ceil(R / c) * T(n_tree + c, ...) <= deadline - now, raises the chunk to
-c_ttft (capped); a deadline no chunk can meet any more does not (a first token already late
-does not outrank TPOTs) and the minimum chunk keeps that prompt moving. A prompt that
+from the prompt length that every request gets, `slo.ttft_objective_ms`): for each prefilling
+request with one, the smallest chunk that still finishes its prompt and the prompts ahead of
+it in the queue in time, ceil(R / c) * T(n_tree + c, ...) <= deadline - now; the largest of
+these, c_ttft, raises the chunk (capped). A deadline no chunk can meet any more forces nothing
+(a first token already late does not outrank TPOTs), but its tokens still count as ahead of
+the prompts behind it, whose deadlines do; with no deadline left to meet, the minimum chunk
+keeps the queue moving. A prompt that
 yields to streams admission let in over it (`Request.prefill_yields`) forces nothing: it
 rides in the streams' slack until it has waited STARVE_FACTOR (2) x its objective, then
 forces as any other.
@@ -185,9 +187,9 @@ def forced_chunk(
     cap: int,
     min_prefill_chunk: int,
 ) -> int:
-    """Prompt tokens the next forward takes whatever the streams' SLOs allow: what the first
-    prompt's TTFT objective needs while it can be met (the prompts ahead of it included),
-    else min_prefill_chunk; 0 with nothing to prefill. A prompt that yields to streams
+    """Prompt tokens the next forward takes whatever the streams' SLOs allow: what every TTFT
+    objective that can still be met needs (each prompt's with the prompts ahead of it), else
+    min_prefill_chunk; 0 with nothing to prefill. A prompt that yields to streams
     admitted over it (`Request.prefill_yields`) forces nothing until it starves
     (`starving`): it rides in the time the streams' SLOs leave, and 0 when every prompt
     yields."""
@@ -196,7 +198,7 @@ def forced_chunk(
         return 0
     cached = prefilling[0].num_cached  # where the next chunk starts (queue order)
     ahead = 0  # prompt tokens of requests ahead in the queue, prefilled first
-    floor = 0
+    floor, due = 0, None
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
         ahead = remaining
@@ -210,9 +212,12 @@ def forced_chunk(
             if needed is not None:
                 # The objective can still be met: it, not a fixed minimum, keeps the prompt
                 # moving, so a tight stream is never made impossible by a minimum chunk.
-                return min(pending, needed)
-            break
-    return min(pending, floor)
+                due = needed if due is None else max(due, needed)
+            # A lost deadline forces nothing, but the prompts behind it, whose objectives
+            # count its tokens as ahead of theirs, still can be met: before, one late prompt
+            # at the head left the whole queue at the minimum chunk, and every prompt behind
+            # it missed its first token too.
+    return min(pending, floor if due is None else due)
 
 
 # A yielding prompt that has waited this many times its TTFT objective (from its arrival)

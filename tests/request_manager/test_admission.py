@@ -100,6 +100,26 @@ def test_a_yielding_prompt_forces_nothing_until_it_starves():
     assert forced_chunk(cost, [a], 2, 0, late, 256, 16) == 16
 
 
+def test_the_forced_chunk_meets_every_prompt_whose_first_token_can_still_be_on_time():
+    from adaserve.request_manager.prefill import forced_chunk
+
+    def cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+        return LinearCost().predict(tokens, context, silent, silent_pairs)
+
+    # A lost prompt at the head (480 tokens in 0.1 s: no chunk does it) forces nothing of its
+    # own, but B behind it, due in 1.5 s, needs A's 480 tokens and its own: the queue moves at
+    # B's pace (40 a forward), not at the 16-token minimum (which left every prompt behind a
+    # late one late).
+    lost, b = _prompt(480, due_in_s=0.1), _prompt(480, due_in_s=1.5)
+    c = forced_chunk(cost, [lost, b], 2, 0, NOW, 256, 16)
+    assert c == forced_chunk(cost, [_prompt(960, due_in_s=1.5)], 2, 0, NOW, 256, 16) == 40
+    # A alone needs 15 a forward (480 in 1.2 s); C behind it, 100 tokens due in 1.3 s, needs
+    # 580 tokens in 1.3 s: 19 a forward (31 forwards of 41 ms). The chunk meets both.
+    a, c100 = _prompt(480, due_in_s=1.2), _prompt(100, due_in_s=1.3)
+    assert forced_chunk(cost, [a], 2, 0, NOW, 256, 16) == 15
+    assert forced_chunk(cost, [a, c100], 2, 0, NOW, 256, 16) == 19
+
+
 def test_a_stream_refused_only_for_prompts_behind_it_is_admitted_over_them():
     # A, due in 1.2 s, forces 15 tokens a forward (37 ms); a request with a 1.5 s first-token
     # objective goes ahead of it. Its TPOT at 2 rows: 22 ms without A's chunks.

@@ -17,9 +17,11 @@ from tests.request_manager.test_speculative import (
     SLOS,
     assert_no_blocks_held,
     make_engine,
+    memory_bound,
     run,
     slow_target,
 )
+from tests.virtual_time import slow_forwards
 
 
 def greedy(max_tokens: int = 60) -> list[SamplingParams]:
@@ -65,7 +67,10 @@ def test_the_suffix_drafter_finds_answers_it_has_served_before(pair):  # noqa: F
     params = [SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)] * 3
     ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
     for policy in ("adaserve", "adaserve_paper", "global_greedy", "sequence"):
-        engine = make_engine(pair["target"], None, policy)
+        # A memory-bound target on the engine's clock (30 ms a forward, 0.2 ms a token): the
+        # trees pay, so control keeps them whatever else loads the machine running the test
+        # (on host time, a busy 2-core machine made control rightly switch them off).
+        engine = slow_forwards(make_engine(pair["target"], None, policy), memory_bound)
         assert engine.scheduler.drafter.name == "suffix", "no draft model: the suffix drafter"
         first, _ = run(engine, prompts, params)
         again, stats = run(engine, prompts, params)
