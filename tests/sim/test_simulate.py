@@ -249,7 +249,13 @@ def test_the_simulated_scheduler_starts_from_the_profiles_cost_model(tmp_path: P
     # simulation of it must too, not from a start-up curve measured at one short context.
     g = {1: 0.010, 2: 0.012, 4: 0.015, 8: 0.020, 16: 0.030, 32: 0.050, 64: 0.090}
     model = ForwardCostModel.from_coefficients(g, 2e-5)
-    points = tuple(LatencyPoint(n, 256, 1000 * model.predict(n, 256)) for n in g)
+    from adaserve.exec.timing import NUM_SEQS, split_tokens
+
+    # A point's context is per sequence; its n tokens are spread over up to NUM_SEQS of them.
+    points = tuple(
+        LatencyPoint(n, 256, 1000 * model.predict(n, 256 * len(split_tokens(n, NUM_SEQS))))
+        for n in g
+    )
     prof = Profile("cpu", "m", None, points, (), 16, 1.5, 256, 20.0)
     path = replace(prof, cost_model=json.loads(model.to_json())).save(tmp_path / "p.json")
     first = []

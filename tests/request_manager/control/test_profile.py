@@ -149,9 +149,37 @@ def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeyp
     assert profile_mod.startup_profile(engine, progress=False).budget == 6
     # A server that ran stores its refined cost model in that cached profile.
     model = quiet.forward_cost_model()
-    model.observe(1, 0, 0.5)
+    model.observe(1, 0, 0.012)
     profile_mod.refresh_startup_profile(engine, model)
     assert Profile.load(path).cost_model is not None
+
+
+def test_a_stored_fit_that_contradicts_the_measured_points_is_neither_used_nor_stored(
+    tiny_llama,
+) -> None:
+    import adaserve.request_manager.control.profile as profile_mod
+
+    quiet = synthetic_profile()
+    points = quiet.cost_points()
+    # A fit 3x slower than every measured shape (a server overloaded by long prompts).
+    slow = profile_mod.ForwardCostModel()
+    slow.seed([(n, c, 3.0 * s) for n, c, s in points], weight=100.0)
+    assert quiet.fit_disagreement(slow) > profile_mod.FIT_TOLERANCE
+    stored = Profile(**{**quiet.__dict__, "cost_model": json.loads(slow.to_json())})
+    model = stored.forward_cost_model()
+    for n, c, s in points:
+        assert model.predict(n, c) == pytest.approx(s, rel=0.5), "started from the distortion"
+    # At shutdown such a fit does not replace what the profile stored.
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=64), False)
+    path = profile_mod.startup_profile_path(engine)
+    quiet.save(path)
+    try:
+        assert profile_mod.refresh_startup_profile(engine, slow) is None
+        assert Profile.load(path).cost_model == quiet.cost_model
+        close = quiet.forward_cost_model()
+        assert profile_mod.refresh_startup_profile(engine, close) == path, "a fit that agrees"
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def test_a_thread_count_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
