@@ -10,6 +10,9 @@
 # .whl/model-*/gguf.part-NN with its sha256 in a .whl/model-*/gguf.sha256, is put back
 # together into $ADASERVE_CACHE/downloads; without it the end-to-end section is skipped.
 #
+# GPU_CHECK_TESTS_TIMEOUT / GPU_CHECK_BENCH_TIMEOUT (seconds) cap each part, GPU_CHECK_WORKERS
+# sets the pytest workers (default 4).
+#
 # Writes into OUTDIR: env.txt (GPU, driver, versions), pytest.log + junit.xml (tests),
 # gpu_latency.json + gpu_latency.md + bench.log (benchmarks). Both parts run even if the
 # other fails; the exit status is non-zero if either did.
@@ -52,6 +55,10 @@ if [ ! -f "$gguf" ] && [ -n "$sha" ]; then
   fi
 fi
 
+# The CUDA test files build tiny checkpoints; without the carried GGUF the test session must not
+# try to download the default model (the machine has no internet).
+[ -f "$gguf" ] || export ADASERVE_TESTS_WITHOUT_DEFAULT_MODEL=1
+
 {
   nvidia-smi
   nvcc --version | tail -2
@@ -67,13 +74,21 @@ if [ "$what" != bench ]; then
     echo "gpu_check: adaserve's FlashInfer backend does not import (see env.txt)" >&2
     tests=1
   fi
-  "$py" -m pytest tests/exec/test_flashinfer.py tests/exec/test_cuda_graph.py -v -rs \
+  # Several pytest workers (pytest-xdist, on the GPU image) JIT-compile FlashInfer's kernels for
+  # different dtypes and head sizes side by side instead of one after another.
+  workers=()
+  "$py" -c "import xdist" 2>/dev/null && workers=(-n "${GPU_CHECK_WORKERS:-4}")
+  # GPU_CHECK_TESTS_TIMEOUT (seconds; 0 = none) interrupts pytest like Ctrl-C, so the tests
+  # that ran are still reported and the benchmarks still get their turn within one device call.
+  timeout -s INT -k 30 "${GPU_CHECK_TESTS_TIMEOUT:-0}" \
+    "$py" -m pytest tests/exec/test_flashinfer.py tests/exec/test_cuda_graph.py -v -rs "${workers[@]}" \
     -p no:cacheprovider --junitxml "$out/junit.xml" 2>&1 | tee "$out/pytest.log"
   [ "${PIPESTATUS[0]}" -ne 0 ] && tests=1
 fi
 bench=0
 if [ "$what" != tests ]; then
-  "$py" -m adaserve.bench.gpu_latency --out "$out" "$@" 2>&1 | tee "$out/bench.log"
+  timeout -s INT -k 30 "${GPU_CHECK_BENCH_TIMEOUT:-0}" \
+    "$py" -m adaserve.bench.gpu_latency --out "$out" "$@" 2>&1 | tee "$out/bench.log"
   bench=${PIPESTATUS[0]}
 fi
 echo "gpu_check: tests exit $tests, benchmarks exit $bench; results in $out"
