@@ -53,6 +53,9 @@ class ModelConfig:
     # steps included). False: every forward eager (vLLM's --enforce-eager).
     cuda_graphs: bool = True
     cuda_graph_max_tokens: int = 256
+    # Capture the graphs of decode iterations (every request count up to max_num_seqs, with up
+    # to B tree tokens) when the engine starts, instead of in the first iteration of each shape.
+    cuda_graph_capture_at_start: bool = True
     # Seed for requests that give none, so runs repeat.
     seed: int = 0
     # CPU threads of the forwards (torch and llama.cpp); None: every core this process may use.

@@ -136,6 +136,9 @@ FIELD_HELP: dict[str, str] = {
     "every forward eagerly, like vLLM's --enforce-eager",
     "cuda_graph_max_tokens": "the largest forward (tokens) replayed from a CUDA graph; larger "
     "ones (prompt chunks) run eagerly",
+    "cuda_graph_capture_at_start": "capture the graphs of decode iterations (every request count "
+    "up to --max-num-seqs, with up to B tree tokens) at start-up, so no request's iteration "
+    "pays a capture; --no-cuda-graph-capture-at-start captures each shape when first met",
     "seed": "seed of requests that give none",
     "threads": "CPU threads of the forwards, torch and llama.cpp (default: every core this "
     "process may use; with --replicas N, the cores split among the replicas)",

@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import fields, replace
 from typing import Any, cast
@@ -23,6 +25,8 @@ from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.request import Request, RequestOutput, SamplingParams
 from adaserve.request_manager.scheduler import Scheduler
 from adaserve.request_manager.structured import GrammarCompiler, StructuredOutput
+
+logger = logging.getLogger(__name__)
 
 
 def encode_prompt(tokenizer, prompt: str | Sequence[int], add_special_tokens: bool = True):
@@ -83,6 +87,7 @@ class LLMEngine:
             drafter = "eagle"
         self.drafter = drafter
         self.scheduler = Scheduler(sched_cfg, self.engine, drafter)
+        self._capture_graphs()
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -95,6 +100,24 @@ class LLMEngine:
             raise RuntimeError("apply_profile needs an idle engine")
         self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
         self.scheduler = Scheduler(self.sched_cfg, self.engine, self.drafter, cost_model)
+        self._capture_graphs()  # a larger B reaches more token buckets
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of the decode iterations this configuration meets, captured now."""
+        if not self.model_cfg.cuda_graph_capture_at_start:
+            return
+        budget = self.sched_cfg.budget if self.sched_cfg.speculative else 0
+        start = time.perf_counter()
+        n = self.engine.capture_graphs(self.sched_cfg.max_num_seqs, budget)
+        if n:
+            logger.info(
+                "captured %d CUDA graphs in %.1f s (decode iterations of up to %d requests, "
+                "B = %d)",
+                n,
+                time.perf_counter() - start,
+                self.sched_cfg.max_num_seqs,
+                budget,
+            )
 
     @property
     def max_model_len(self) -> int:

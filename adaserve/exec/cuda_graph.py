@@ -271,9 +271,14 @@ class ForwardGraphRunner(_GraphRunner):
 
     def buckets(self, batch: ForwardBatch) -> tuple[int, int] | None:
         """(sequence bucket, token bucket) of `batch`; None if it is not replayed."""
-        seqs, tokens = len(batch.query_lens), len(batch.token_ids)
+        seqs = len(batch.query_lens)
         if not seqs or batch.features is not None or max(batch.kv_lens) > self.max_kv_len:
             return None
+        return self.key(seqs, len(batch.token_ids))
+
+    def key(self, seqs: int, tokens: int) -> tuple[int, int] | None:
+        """(sequence bucket, token bucket) of a forward of `seqs` sequences and `tokens`
+        tokens; None if no captured shape holds it."""
         s = choose_bucket(seqs, self.seq_buckets)
         if s is None:
             return None
@@ -288,6 +293,32 @@ class ForwardGraphRunner(_GraphRunner):
 
     def covers(self, batch: ForwardBatch) -> bool:
         return self.buckets(batch) is not None
+
+    def start_keys(self, max_num_seqs: int, budget: int) -> list[tuple[int, int]]:
+        """The (sequence, token) buckets of every decode iteration: 1..max_num_seqs requests,
+        each feeding its root, with tree nodes up to `budget` tokens in all (B counts the roots;
+        0: no trees). Prompt chunks beside them are not included."""
+        keys: set[tuple[int, int]] = set()
+        for rows in range(1, max_num_seqs + 1):
+            for tokens in range(rows, max(budget, rows) + 1):
+                key = self.key(rows, tokens)
+                if key is not None:
+                    keys.add(key)
+        return sorted(keys)
+
+    @torch.inference_mode()
+    def capture(self, keys: Sequence[tuple[int, int]]) -> int:
+        """Capture the graphs of `keys` not held yet; returns how many it captured.
+
+        A server does this at start-up for the shapes its decode iterations meet, so no
+        request's iteration pays a capture (about three eager forwards); shapes left out
+        (prompt chunks beside decode rows) are still captured the first time they are met.
+        """
+        template = ForwardBatch([], [], [], [], [], [])
+        todo = [k for k in keys if k not in self._graphs]
+        for key in todo:
+            self._capture(key, pad_forward(template, *key, self._dummy_table), self.max_kv_len)
+        return len(todo)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> torch.Tensor | None:

@@ -241,6 +241,15 @@ class ExecutionEngine:
                 n = model_cfg.cuda_graph_max_tokens
                 runner.graphs = ForwardGraphRunner(runner, n, n, self.max_model_len + n)
 
+    def capture_graphs(self, max_num_seqs: int, budget: int) -> int:
+        """Capture the target's graphs for decode iterations of up to `max_num_seqs` requests
+        and `budget` verified tokens (ForwardGraphRunner.start_keys); how many were captured
+        (0 without graphs)."""
+        graphs = getattr(self.target, "graphs", None)
+        if not isinstance(graphs, ForwardGraphRunner):
+            return 0
+        return graphs.capture(graphs.start_keys(max_num_seqs, budget))
+
     def run(self, plan: PlanToRun) -> ForwardOutput:
         """Run one iteration's plan: the target forward (and the draft's prompt catch-up)."""
         return run_plan(self.target, self.draft, plan, self.clock)

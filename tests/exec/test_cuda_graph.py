@@ -298,13 +298,45 @@ def test_forward_buckets_leave_room_for_dummies(fake_fi, monkeypatch) -> None:  
     graphs.close()
 
 
-def test_forward_graph_wiring_on_cpu(fake_fi, monkeypatch) -> None:  # noqa: F811
+def test_start_up_capture_covers_every_decode_iteration_within_the_budget(
+    fake_fi,  # noqa: F811
+    monkeypatch,
+) -> None:
+    """After `capture(start_keys(R, B))`, no iteration of up to R decode rows with tree nodes
+    up to B tokens in all captures anything: every decode shape a server meets is held."""
+    runner = cpu_stand_in_runner(fake_fi, monkeypatch)
+    graphs = ForwardGraphRunner(runner, max_num_seqs=24, max_tokens=32, max_kv_len=100)
+    keys = graphs.start_keys(max_num_seqs=6, budget=8)
+    assert len(set(keys)) == len(keys)
+    assert graphs.capture(keys) == len(keys) == graphs.num_graphs
+    assert graphs.capture(keys) == 0, "held graphs are not captured again"
+    for rows in range(1, 7):
+        for extra in range(max(8 - rows, 0) + 1):  # tree nodes beyond the roots, B = 8 in all
+            trees = [list(range(-1, extra)) if extra else None] + [None] * (rows - 1)
+            batch = verify_batch([5] * rows, [[i] for i in range(rows)], trees)
+            key = graphs.buckets(batch)
+            assert key in keys, f"{rows} rows + {extra} tree tokens -> {key}, not captured"
+    # no more than those: 6 rows pad to 8 sequences at most, 8 tokens to 16 at most
+    assert max(s for s, _ in keys) == 8 and max(t for _, t in keys) <= 16
+    assert graphs.start_keys(max_num_seqs=6, budget=0) == [(1, 1), (2, 2), (4, 4), (8, 8)]
+    graphs.close()
+    assert runner.cache.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("at_start", [False, True])
+def test_forward_graph_wiring_on_cpu(fake_fi, monkeypatch, at_start: bool) -> None:  # noqa: F811
     """Padding, static buffers, plan-before-replay and slicing, with graphs replaced by reruns."""
-    check_forward_replay_equals_eager(cpu_stand_in_runner(fake_fi, monkeypatch), tol=1e-5)
+    runner = cpu_stand_in_runner(fake_fi, monkeypatch)
+    check_forward_replay_equals_eager(runner, tol=1e-5, at_start=at_start)
 
 
-def check_forward_replay_equals_eager(runner: ModelRunner, tol: float) -> None:
+def check_forward_replay_equals_eager(
+    runner: ModelRunner, tol: float, at_start: bool = False
+) -> None:
+    """at_start: capture the decode shapes of 4 requests and B = 16 first, as a server starts;
+    the forwards below then replay those graphs and capture none."""
     graphs = ForwardGraphRunner(runner, max_num_seqs=8, max_tokens=32, max_kv_len=128)
+    held = graphs.capture(graphs.start_keys(4, 16)) if at_start else 0
     cache, dev = runner.cache, runner.device
     ctxs = [5, 20, 33, 40]
     tables = prefill(runner, ctxs)
@@ -331,7 +363,10 @@ def check_forward_replay_equals_eager(runner: ModelRunner, tol: float) -> None:
         assert_same_logits(replay, eager, f"shape {step}", tol)
         assert torch.allclose(cache.k[:, slots], k_eager, atol=10 * tol), f"shape {step}: K"
         assert graphs.buckets(batch) == [(8, 16), (8, 16), (2, 4)][step]
-    assert graphs.num_graphs == 2, "one graph per (sequence, token) bucket, replayed after"
+    if at_start:
+        assert graphs.num_graphs == held, "a shape captured at start-up was captured again"
+    else:
+        assert graphs.num_graphs == 2, "one graph per (sequence, token) bucket, replayed after"
     # a forward past max_tokens runs eagerly, and right, beside the graphs
     long_tree = list(range(-1, 39))
     cache.reserve(tables[0], ctxs[0] + len(long_tree))
@@ -348,5 +383,6 @@ def check_forward_replay_equals_eager(runner: ModelRunner, tol: float) -> None:
 
 @cuda_only
 @pytest.mark.cuda
-def test_forward_replay_equals_eager_on_flashinfer() -> None:
-    check_forward_replay_equals_eager(flashinfer_runner(), tol=1e-2)
+@pytest.mark.parametrize("at_start", [False, True])
+def test_forward_replay_equals_eager_on_flashinfer(at_start: bool) -> None:
+    check_forward_replay_equals_eager(flashinfer_runner(), tol=1e-2, at_start=at_start)
