@@ -168,6 +168,22 @@ def test_seeds_hold_for_unobserved_buckets_and_interpolation_fills_gaps():
     assert falling.predict(64, 0) == pytest.approx(0.05), "extrapolated with a negative slope"
 
 
+def test_a_flat_last_segment_does_not_make_long_prompts_cheap():
+    """The start-up profile of the default server on a 2-core machine (2026-11-27): 24 ms at 1
+    token, 355 ms at 32, 376 ms at 64 (one noisy measurement). Extrapolated by the last segment
+    alone, a 1,124-token prompt cost 1.1 s, where llama.cpp took ~7.5 ms a token (8.4 s), and
+    admission let it in on a first-token objective it missed by 26 s. Beyond the largest
+    knot the rise is at least the mean from the first knot (the time is convex in tokens)."""
+    points = {1: 0.0241, 2: 0.0323, 4: 0.0556, 8: 0.0986, 16: 0.1622, 32: 0.3554, 64: 0.3759}
+    model = ForwardCostModel.from_coefficients(points, 0.0)
+    mean = (0.3759 - 0.0241) / 63
+    assert model.predict(1024, 0) == pytest.approx(0.3759 + mean * 960)
+    assert model.predict(1024, 0) > 5.0, "a 1,024-token prompt priced like a few decode steps"
+    # where the last segment is the steeper one (a GPU past its ridge), it still decides
+    gpu = ForwardCostModel.from_coefficients({1: 0.008, 64: 0.0085, 128: 0.0095, 256: 0.014}, 0.0)
+    assert gpu.predict(512, 0) == pytest.approx(0.014 + (0.0045 / 128) * 256)
+
+
 def test_forwards_between_two_buckets_do_not_drag_the_upper_bucket_down():
     """A 45-token forward is priced between g(32) and g(64); observing it must not be taken
     for a 64-token forward (chunked prefill sends such sizes every iteration)."""
