@@ -437,6 +437,9 @@ class GgmlRunner:
     needs_context = True
     # Every token costs about the same here (compute bound): padding never pays, and is ignored.
     supports_padding = False
+    # llama.cpp's CPU flash attention (ggml-cpu ops.cpp) tiles the queries of a forward of at
+    # least GGML_FA_TILE_Q = 64 tokens; below that it walks every query row over every cell.
+    attention_tile_tokens: int | None = 64
 
     def __init__(
         self,

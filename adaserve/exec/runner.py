@@ -30,6 +30,9 @@ class Runner(Protocol):
     supports_padding: bool
     # Its attention reads only the KV a sequence holds: timing must compute a context first.
     needs_context: bool
+    # Forwards of at least this many tokens run a tiled attention kernel, smaller ones each
+    # query row alone (llama.cpp on the CPU: 64); None when the cost has no such step.
+    attention_tile_tokens: int | None
     # When set, every forward keeps its final hidden states [T, hidden] in `last_hidden`.
     capture_hidden: bool
     last_hidden: torch.Tensor | None

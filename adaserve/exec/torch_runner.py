@@ -30,6 +30,7 @@ class ModelRunner:
     # forward(pad_to=...) runs the extra rows (the controller pads when that is cheaper).
     supports_padding = True
     needs_context = False  # the paged KV holds whatever the slots hold; timing needs no prefill
+    attention_tile_tokens: int | None = None  # no step in the cost at a forward size
 
     def __init__(
         self,

@@ -288,6 +288,7 @@ class Scheduler:
             self.cfg.slo_repay,
             self.cfg.slo_bank_spend,
             self.cfg.prefill_iteration_ms / 1000.0,
+            self.engine.target.attention_tile_tokens,
         )
         chunks = []
         for r in self.prefilling:

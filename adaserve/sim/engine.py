@@ -78,6 +78,7 @@ class SimRunner:
     tokens; no features (an EAGLE head is not simulated)."""
 
     needs_context = False
+    attention_tile_tokens: int | None = None  # the simulated cost has no step at a size
     capture_hidden = False
     last_hidden: torch.Tensor | None = None
     checkpoint: Path | None = None

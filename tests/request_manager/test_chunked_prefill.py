@@ -11,6 +11,7 @@ from adaserve.request_manager.prefill import (
     chunk_tokens,
     largest_chunk,
     prefill_order,
+    tiled_chunk,
     ttft_chunk,
 )
 from adaserve.request_manager.request import Request
@@ -221,6 +222,62 @@ def test_chunk_tokens_follows_the_tightest_slo_and_never_starves():
     assert chunk_tokens(linear_cost, [], [], [waiting], **capped) == 178, "idle, capped"
     assert chunk_tokens(linear_cost, [ontime, lost], [1.0, 1.0], [waiting], **capped) == 113
     assert chunk_tokens(linear_cost, [tight], [1.0], [waiting], **capped) == 16, "never starves"
+
+
+def below_tile_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+    """A cost model fitted on llama.cpp forwards below the 64-token attention tile, where each
+    query row runs alone: deep in a prompt it prices a 64-token chunk as dear as those."""
+    return 0.02 + 0.003 * tokens + 1e-5 * silent_pairs
+
+
+def test_an_idle_chunk_deep_in_a_prompt_takes_a_whole_attention_tile():
+    # 600 tokens into a prompt, a 0.5 s cap fits 51 tokens (0.02 + 0.003 c + 1e-5 (600 c +
+    # c (c + 1) / 2) <= 0.5); on a runner with a 64-token tile the idle forward takes 64.
+    doc = Request("doc", list(range(2, 1502)), SamplingParams())
+    doc.num_cached = 600
+    args = dict(CHUNK_ARGS, tree_tokens=0, now=0.0, iteration_cap_s=0.5)
+    assert chunk_tokens(below_tile_cost, [], [], [doc], **args) == 51, "no tile: the fit"
+    assert chunk_tokens(below_tile_cost, [], [], [doc], **args, tile_tokens=64) == 64
+    # A stream's SLO is not spent on it: with one decoding, the chunk stays what fits.
+    stream = _streamed(400.0, 10, 3.8, now=0.0)
+    n = chunk_tokens(below_tile_cost, [stream], [1.0], [doc], **dict(args, tree_tokens=1))
+    tiled = chunk_tokens(
+        below_tile_cost, [stream], [1.0], [doc], **dict(args, tree_tokens=1), tile_tokens=64
+    )
+    assert 0 < n < 63 and tiled == n
+    # The rule alone: tree tokens count toward the tile, the cap and a zero chunk hold.
+    assert tiled_chunk(20, 4, 256, 64) == 60
+    assert tiled_chunk(70, 0, 256, 64) == 70
+    assert tiled_chunk(20, 0, 32, 64) == 32
+    assert tiled_chunk(0, 0, 256, 64) == 0
+    assert tiled_chunk(20, 0, 256, None) == 20
+
+
+def test_the_scheduler_takes_the_runner_s_attention_tile(target):
+    """Idle prefill of a 600-token prompt with iterations capped at 60 ms: chunks of ~35
+    tokens fit the cap; a runner that declares a 64-token attention tile gets 64-token
+    chunks (the last one what is left)."""
+    sizes = {}
+    for tile in (None, 64):
+        e = slowed(
+            engine(target, "incremental", chunked=True, num_blocks=2048, prefill_iteration_ms=60),
+            0.001,
+            0.02,
+        )
+        e.engine.target.attention_tile_tokens = tile
+        doc = e.add_request(
+            [(j % 90) + 2 for j in range(600)], SamplingParams(max_tokens=2, ignore_eos=True)
+        )
+        chunks = []
+        while e.has_unfinished():
+            e.step()
+            st = e.scheduler.last_stats
+            if st is not None and st.prefill_tokens:
+                chunks.append(st.prefill_tokens)
+        assert sum(chunks) == 600 and doc.metrics.first_token_time is not None
+        sizes[tile] = chunks
+    assert max(sizes[None]) < 64, sizes[None]
+    assert all(c == 64 for c in sizes[64][:-1]) and sizes[64][-1] <= 64, sizes[64]
 
 
 def _streamed(slo_ms: float, tokens_after_first: int, seconds: float, now: float) -> Request:
