@@ -121,6 +121,10 @@ class Admission:
         one token each), or, while requests decode, the recent period of decode-only
         iterations scaled by the cost model from the running batch to that one, if longer
         (it has what the cost of one token each misses: tree tokens, drafting, host time).
+        Speculation is priced both ways, the recent trees (scaled to the batch, over the
+        tokens per request they yielded) and plain decoding (one token each), and the faster
+        counts: control drops trees that do not pay, and ~4-token trees over long contexts
+        had priced a newcomer at seconds per token.
         Prompt tokens a TTFT objective forces into the forward slow the iterations until the
         prompts being prefilled are in: only those due after this request's first token
         (`first_token_due`, a time on `clock`) slow its stream, and a request that names
@@ -154,15 +158,21 @@ class Admission:
                     prefilling, forced, max_tokens, self.tokens_per_request, first_token_due
                 )
                 iteration += share * max(0.0, slowed - iteration)
+        speculating = plain = iteration
         if running and self.decode_period_s is not None:
             per = self.forward_tokens_per_request
             now = self.iteration_s(
                 max(1, round(per * len(running))), sum(r.num_tokens for r in running)
             )
-            after = self.iteration_s(max(1, round(per * n)), context)
             if now > 0:
-                iteration = max(iteration, self.decode_period_s * after / now)
-        return iteration / self.tokens_per_request
+                after = self.iteration_s(max(1, round(per * n)), context)
+                speculating = max(iteration, self.decode_period_s * after / now)
+                # The same period with every request decoding one token (no tree nodes).
+                plain = max(iteration, self.decode_period_s * self.iteration_s(n, context) / now)
+        # Control verifies trees only while they yield more tokens per second than plain
+        # decoding (`SpeculationController.prune`: k = 0 is always a candidate), so a stream
+        # admitted now is never slower than plain decoding of the batch would make it.
+        return min(speculating / self.tokens_per_request, plain)
 
     def ttft_objective_ms(self, prompt_tokens: int, slo_ttft_ms: float | None) -> float | None:
         """A request's TTFT objective: its slo_ttft_ms, else the default from the time its

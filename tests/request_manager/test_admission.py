@@ -142,3 +142,26 @@ def test_a_stream_refused_only_for_prompts_behind_it_is_admitted_over_them():
     )
     why = off.refusal(30.0, 100, slo_ttft_ms=1500, max_tokens=64)
     assert why is not None and "cannot be met" in why and not d.prefill_yields
+
+
+def test_a_newcomer_is_priced_at_plain_decoding_when_the_trees_do_not_pay():
+    """Streams verify ~4-token trees (forward_tokens_per_request 4) that yield 1.2 tokens an
+    iteration: scaling the measured period to 4 tokens for every request would price a new
+    stream at what trees cost, though control drops trees that do not pay. The prediction is
+    the faster of the trees and plain decoding; where trees pay, the trees."""
+    running = [Request(f"r{i}", [1] * 100, SamplingParams()) for i in range(3)]
+    adm = Admission(SchedulerConfig(), LinearCost(), lambda: (running, [], []), lambda: NOW)
+    adm.forward_tokens_per_request = 4.0
+    now = 0.02 + 0.001 * 12  # the running batch's forward: 3 requests x 4 tokens
+    adm.decode_period_s = 2 * now  # iterations took twice the forward (drafting, host)
+    adm.tokens_per_request = 1.2
+    trees = 2 * (0.02 + 0.001 * 16) / 1.2  # 4 requests x 4 tokens, 1.2 tokens each
+    plain = 2 * (0.02 + 0.001 * 4)  # 4 requests x 1 token, the same period per forward
+    assert plain < trees
+    assert abs(adm.predicted_tpot_s() - plain) < 1e-9
+    adm.tokens_per_request = 3.5  # trees that pay: 3.5 tokens for 4 verified
+    assert abs(adm.predicted_tpot_s() - 2 * (0.02 + 0.001 * 16) / 3.5) < 1e-9
+    # Incremental (one token a request, one emitted): both estimates are the same one, the
+    # period scaled from 3 to 4 one-token rows.
+    adm.forward_tokens_per_request = adm.tokens_per_request = 1.0
+    assert abs(adm.predicted_tpot_s() - 2 * now * 0.024 / 0.023) < 1e-9
