@@ -35,3 +35,22 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
     cfg = engine.sched_cfg
     engine.apply_profile(cfg.budget, cfg.t_spec_init_s)
     return engine
+
+
+def slow_draft(engine: LLMEngine, seconds: float) -> LLMEngine:
+    """Every draft-model forward takes `seconds` more on the engine's (virtual) clock.
+
+    Call after `slow_forwards`: the draft model's cost then stands beside the target's on the
+    same clock, so whether drafting pays is decided by these costs, not by the host's speed."""
+    clock = engine.engine.clock
+    assert isinstance(clock, VirtualClock), "slow_forwards first: the clock must be virtual"
+    draft = engine.engine.draft
+    real_forward = draft._forward
+
+    def forward(batch):
+        out = real_forward(batch)
+        clock.advance(seconds)
+        return out
+
+    draft._forward = forward
+    return engine
