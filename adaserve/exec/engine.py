@@ -9,6 +9,7 @@ policy.
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -155,10 +156,16 @@ class ExecutionEngine:
         """`need_draft`: load the default draft when none is named (True or "model"), or the
         default target's shipped EAGLE head ("eagle")."""
         self.threads = model_cfg.threads
+        torch_threads = torch.get_num_threads()  # what torch runs on unless told otherwise
         if self.threads is not None:
             torch.set_num_threads(self.threads)
         source = locate_model(model_cfg.model, model_cfg.revision, model_cfg.gguf_file)
         self.backend, gguf = pick_backend(model_cfg, source)
+        # The thread count the target runs on when none is set (llama.cpp: every core this
+        # process may use): `--threads` naming it changes nothing, cached profile included.
+        self.default_threads = (
+            len(os.sched_getaffinity(0)) if self.backend == "ggml" else torch_threads
+        )
         # A GGUF's dir holds dequantized weights only for torch: llama.cpp reads the file.
         self.target_path = checkpoint_dir(source, weights=self.backend == "torch")
         self.tokenizer = _target_tokenizer(model_cfg, self.target_path)

@@ -323,8 +323,9 @@ def profile_engine(
 
 def startup_profile_path(engine: ExecutionEngine) -> Path:
     """Where the start-up profile of this (target, draft, device, dtype, threads, CUDA graphs)
-    is cached (a thread count only when one was set: replicas sharing a machine run slower
-    than one process on all its cores, and must not inherit its profile)."""
+    is cached (a thread count only when one was set that differs from the backend's default:
+    replicas sharing a machine run slower than one process on all its cores, and must not
+    inherit its profile, while `--threads` naming the default measures nothing new)."""
     if engine.backend == "ggml":
         dtype = "gguf"
     else:
@@ -334,7 +335,7 @@ def startup_profile_path(engine: ExecutionEngine) -> Path:
     draft = _model_key(engine.draft_path) if engine.draft_path is not None else "none"
     key = f"{_model_key(engine.target_path)}__{draft}__{engine.target.device}__{dtype}"
     key = key.replace(":", "-")
-    if engine.threads is not None:
+    if engine.threads is not None and engine.threads != engine.default_threads:
         key += f"__{engine.threads}threads"
     if getattr(engine.target, "graphs", None) is not None:
         # Replayed forwards cost a fraction of eager ones on a GPU (docs/gpu.md): a profile

@@ -184,12 +184,15 @@ def test_a_stored_fit_that_contradicts_the_measured_points_is_neither_used_nor_s
 
 def test_a_thread_count_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
     """Replicas sharing a machine (serve --replicas, --threads) run slower than one process on
-    every core: they must not use that process's cached profile, nor overwrite it."""
+    every core: they must not use that process's cached profile, nor overwrite it. `--threads`
+    naming the count the backend runs on anyway is the same server: it shares the profile
+    (it used to measure a new one at every start)."""
     import torch
 
     import adaserve.request_manager.control.profile as profile_mod
 
     before = torch.get_num_threads()
+    others = [n for n in (1, before + 1) if n != before]
     try:
         paths = {
             threads: profile_mod.startup_profile_path(
@@ -199,12 +202,15 @@ def test_a_thread_count_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
                     False,
                 )
             )
-            for threads in (None, 1, 2)
+            for threads in (None, before, *others)
         }
     finally:
         torch.set_num_threads(before)
-    assert len(set(paths.values())) == 3, paths
-    assert paths[1].name.endswith("__1threads.json") and "threads" not in paths[None].name
+    assert paths[before] == paths[None], "naming the default thread count changed the profile"
+    assert "threads" not in paths[None].name
+    for n in others:
+        assert paths[n].name.endswith(f"__{n}threads.json"), paths
+    assert len({paths[n] for n in (None, *others)}) == 1 + len(others), paths
 
 
 def test_a_graph_replaying_target_gets_a_start_up_profile_of_its_own(tiny_llama) -> None:
