@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool
+from adaserve.bench.passes import SCENARIOS, EnginePool, turns
 from adaserve.bench.trace import load_trace
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -259,16 +259,19 @@ def main() -> None:
             total = {entry: Result(0, 0.0, 0, 0.0, 0, 0, 0.0) for entry in pool.labels}
             best: dict[str, Result] = {}
             ratios: dict[str, list[float]] = {entry: [] for entry in pool.labels}
-            for _ in range(args.rounds):
+            for i in range(args.rounds):
+                order = turns(pool.labels, i)  # no configuration always runs (steps) first
                 if args.schedule == "interleaved":
-                    engines = [pool.engine(entry) for entry in pool.labels]
-                    results = serve_side_by_side(engines, prompts, c, args.max_tokens, stagger)
+                    engines = [pool.engine(entry) for entry in order]
+                    served = serve_side_by_side(engines, prompts, c, args.max_tokens, stagger)
                     del engines
                 else:
-                    results = [
+                    served = [
                         serve(pool.engine(entry), prompts, c, args.max_tokens, stagger)
-                        for entry in pool.labels
+                        for entry in order
                     ]
+                by_label = dict(zip(order, served))
+                results = [by_label[entry] for entry in pool.labels]
                 for entry, r in zip(pool.labels, results):
                     ratios[entry].append(r.tokens_per_s / results[0].tokens_per_s)
                     total[entry].add(r)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool
+from adaserve.bench.passes import SCENARIOS, EnginePool, turns
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.torch_runner import ModelRunner
@@ -108,7 +108,13 @@ def main() -> None:
         help="who runs the target (auto: ggml for a GGUF model when installed)",
     )
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--repeats", type=int, default=3, help="runs per point; the median counts")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs per point; the median counts (the policies' order rotates by one each "
+        "repeat: a multiple of the policy count gives each policy each slot equally often)",
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument("--slos", type=float, nargs="+", default=[150.0, 400.0, 0.0])
@@ -168,8 +174,8 @@ def main() -> None:
     # so a disturbance of the machine hits one run of one policy, not a whole column.
     for c in args.concurrency:
         runs: dict[str, list[Result]] = {label: [] for label in pool.labels}
-        for _ in range(args.repeats):
-            for label in pool.labels:
+        for i in range(args.repeats):
+            for label in turns(pool.labels, i):  # no configuration always runs first
                 runs[label].append(run(pool.engine(label), prompts(c), args.max_tokens, slos))
         base = None
         for label, results in runs.items():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import EnginePool
+from adaserve.bench.passes import EnginePool, turns
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
 PROMPT = [5, 9, 13, 17, 21, 25, 29, 33]
@@ -91,3 +91,17 @@ def test_staggered_lengths_keep_the_mean_and_spread_the_finishes() -> None:
     assert limits[:4] == [40, 56, 72, 88] and limits[4:] == limits[:4]
     assert sum(limits) == 8 * 64
     assert {output_limit(64, i, staggered=False) for i in range(8)} == {64}
+
+
+def test_each_configuration_takes_each_slot_equally_often() -> None:
+    # The configuration that runs first in a round is measured faster in one process: over a
+    # multiple of the configurations' count of rounds, none may hold that slot more often.
+    labels = ["incremental", "adaserve", "sequence"]
+    rounds = [turns(labels, i) for i in range(2 * len(labels))]
+    for order in rounds:
+        assert sorted(order) == sorted(labels), f"round order {order} lost or doubled one"
+    for slot in range(len(labels)):
+        held = [order[slot] for order in rounds]
+        assert all(held.count(label) == 2 for label in labels), f"slot {slot}: {held}"
+    assert rounds[0] == labels, "the first round keeps the given order"
+    assert turns([], 3) == []
