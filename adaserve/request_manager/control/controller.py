@@ -349,11 +349,7 @@ class SpeculationController:
         """
         candidates = len(pairs) - 1
         plain_s = self.forward_s(n, context)
-        self._settle_exploration()
-        cap = EXPLORE_CREDIT_FORWARDS * plain_s
-        if not self._credit_started:
-            self.explore_credit, self._credit_started = cap, True  # try a new drafter at once
-        self.explore_credit = min(cap, self.explore_credit + self.cfg.explore_budget * plain_s)
+        self._accrue_credit(plain_s)
         if not candidates or not self._exploration_may_pay(n, context):
             return 0
         if self.exploring:
@@ -366,6 +362,20 @@ class SpeculationController:
             return 0
         free = self.verify_cost.best_padded(n, context, max(n, self.max_pad_tokens)) - n
         return min(candidates, max(1, free))
+
+    def nothing_proposed(self, n: int, context: int) -> None:
+        """An iteration whose drafter proposed no node for any of its `n` requests: nothing to
+        select or prune, only the exploration credit accrues (as `prune` would accrue it)."""
+        self._accrue_credit(self.forward_s(n, context))
+
+    def _accrue_credit(self, plain_s: float) -> None:
+        """Settle the last exploring iteration, then grow the credit by explore_budget of a
+        plain forward (`plain_s`), up to EXPLORE_CREDIT_FORWARDS of one."""
+        self._settle_exploration()
+        cap = EXPLORE_CREDIT_FORWARDS * plain_s
+        if not self._credit_started:
+            self.explore_credit, self._credit_started = cap, True  # try a new drafter at once
+        self.explore_credit = min(cap, self.explore_credit + self.cfg.explore_budget * plain_s)
 
     def _settle_exploration(self) -> None:
         """Credit back the tokens an exploring iteration got accepted beyond what its paying
@@ -478,6 +488,9 @@ class NoControl:
         tree_pairs: int = 0,
     ) -> int:
         return tokens
+
+    def nothing_proposed(self, n: int, context: int) -> None:
+        return None
 
     def observe_verification(
         self, tree: CandidateTree, verified: Sequence[int], accepted: Sequence[int]

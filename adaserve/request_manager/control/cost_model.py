@@ -154,6 +154,7 @@ class ForwardCostModel:
         # bucket -> its share of the pooled fit of b, e and h (_residual_moments), until it
         # changes: a fit runs every iteration, a sample changes one bucket.
         self._residuals: dict[int, tuple[list[list[float]], list[float]]] = {}
+        self._shared_fit: tuple[float, float, float] | None = None  # (b, e, h) until it moves
         self._counts: dict[int, int] = {}  # bucket -> accepted real observations
         self._streak: dict[int, int] = {}  # bucket -> consecutive rejected samples
         self._slope_prior = 0.0  # a_0, seconds per context token
@@ -202,11 +203,17 @@ class ForwardCostModel:
             seconds,
         )
         m = self._stats.setdefault(k, [[0.0] * 6 for _ in range(6)])
+        # A bucket that has seen no silent token, chunk pair or tree pair (every decode-only
+        # bucket) adds exactly nothing to the pooled fit of (b, e, h): a sample that keeps it
+        # so leaves that fit as it was, and the refit every iteration skips it.
+        shared_moved = any(v[i] != 0.0 or m[i][i] != 0.0 for i in _SHARED)
         for i, row in enumerate(m):
             wv = weight * v[i]
             for j in range(6):
                 row[j] = row[j] * decay + wv * v[j]
-        self._residuals.pop(k, None)
+        if shared_moved:
+            self._residuals.pop(k, None)
+            self._shared_fit = None
         self._dirty = True
 
     def seed(self, points: Iterable[tuple[int, int, float]], weight: float = 3.0) -> None:
@@ -312,6 +319,11 @@ class ForwardCostModel:
 
     def _solve_shared(self) -> tuple[float, float, float]:
         """(b, e, h), pooled over buckets (see the module docstring)."""
+        if self._shared_fit is None:
+            self._shared_fit = self._fit_shared()
+        return self._shared_fit
+
+    def _fit_shared(self) -> tuple[float, float, float]:
         a = [[0.0] * 3 for _ in range(3)]  # residual moments of (z, u, t), summed
         r = [0.0] * 3  # and of (z, u, t) with y
         for k, m in self._stats.items():
@@ -570,6 +582,7 @@ class ForwardCostModel:
         model._tree_prior = float(tree_pair_s) * _PAIR_SCALE
         model._silent_weight = _SILENT_RIDGE * weight
         model._pairs_weight = _PAIR_RIDGE * weight
+        model._shared_fit = None  # the priors moved
         return model
 
     def to_json(self) -> str:

@@ -338,6 +338,59 @@ def test_suffix_trees_that_cost_more_than_they_yield_are_not_verified(pair):  # 
     assert_no_blocks_held(engine)
 
 
+def test_an_iteration_that_proposes_nothing_skips_selection_and_keeps_the_output(
+    pair, monkeypatch
+):  # noqa: F811
+    """Most suffix lookups on new text match nowhere: such an iteration runs no calibration,
+    selection or pruning (host time on every iteration of a llama.cpp decode), and decodes
+    exactly as before."""
+    import adaserve.request_manager.speculation as speculation
+
+    calls = []
+    select = speculation.select_nodes
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return select(*args, **kwargs)
+
+    monkeypatch.setattr(speculation, "select_nodes", counted)
+    prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [3, 4]]
+    params = [SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)] * 3
+    ref, _ = run(make_engine(pair["target"], None, "incremental"), prompts, params)
+    engine = make_engine(pair["target"], None, "adaserve")
+    out, stats = run(engine, prompts, params)
+    assert out == ref
+    decode = [s for s in stats if s.kind == "decode"]
+    proposed = sum(s.draft_nodes > 0 for s in decode)
+    assert 0 < proposed < len(decode), "the run must have iterations of both kinds"
+    assert len(calls) == proposed, (
+        f"selection ran in {len(calls)} iterations, {proposed} of which proposed a node"
+    )
+    assert_no_blocks_held(engine)
+
+
+def test_an_iteration_that_proposes_nothing_accrues_the_exploration_credit_as_pruning_did():
+    """Skipping selection must not change what exploring may spend later."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    cost = _cost({1: 50, 2: 90, 3: 130, 4: 170})
+    pruned = SpeculationController(cfg, False, 16, cost)
+    skipped = SpeculationController(cfg, False, 16, cost)
+    roots = [CandidateTree.root(1), CandidateTree.root(2)]
+    tree = _tree([0.5])
+    for i in range(40):
+        if i % 10 == 9:  # now and then a tree to explore, paid from the credit
+            a, _ = pruned.prune([tree], [[0, 1]], [[0]], context=100)
+            b, _ = skipped.prune([tree], [[0, 1]], [[0]], context=100)
+            assert a == b
+            for ctl in (pruned, skipped):
+                ctl.observe_verification(tree, a[0], [])
+        else:
+            pruned.prune(roots, [[0], [0]], [[0], [0]], context=100)
+            skipped.nothing_proposed(2, 100)
+        assert skipped.explore_credit == pytest.approx(pruned.explore_credit, abs=1e-12)
+    assert pruned.explore_credit > 0
+
+
 def _explore_against(cfg: SchedulerConfig, iterations: int) -> tuple[int, float]:
     """A node right 56% of the time (spread evenly) next to a target where one more token
     costs 0.8 of a 50 ms forward: (times it was verified, the worst excess of its net cost

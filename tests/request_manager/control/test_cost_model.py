@@ -414,3 +414,30 @@ def test_best_padded_prices_only_known_buckets_and_finds_the_cheapest_size():
         best = model.best_padded(tokens, context, limit)
         assert tokens <= best <= max(tokens, limit)
         assert model.predict(best, context, best - tokens) == pytest.approx(brute, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_fit_kept_between_decode_samples_equals_a_fit_from_scratch(seed):
+    """The pooled (b, e, h) fit is kept while only decode-only buckets see samples (every
+    iteration of plain decoding refits): predictions must equal a fit of the same samples
+    from scratch, whatever the mix of decode rows, prompt chunks and trees."""
+    import copy
+
+    rng = random.Random(seed)
+    model = ForwardCostModel.from_coefficients({1: 0.01, 8: 0.02}, 1e-6, tree_pair_s=1e-8)
+    for _ in range(300):
+        tokens = rng.choice([1, 2, 3, 4, 8, 16, 40, 64])
+        kind = rng.random()
+        silent = rng.randint(1, tokens) if kind < 0.15 and tokens > 1 else 0
+        pairs = silent * rng.randint(100, 3000) if silent else 0
+        tree = rng.randint(1, 5000) if 0.15 <= kind < 0.3 and tokens > 1 else 0
+        context = rng.randint(0, 4000)
+        seconds = 0.01 + 0.001 * tokens + 1e-6 * context - 1e-4 * silent + 1e-8 * tree
+        model.observe(tokens, context, seconds * rng.uniform(0.95, 1.05), silent, pairs, tree)
+        if rng.random() < 0.3:
+            fresh = copy.deepcopy(model)
+            fresh._residuals.clear()
+            fresh._shared_fit = None
+            fresh._dirty = True
+            for n, c, s, q, t in [(1, 500, 0, 0, 0), (5, 2000, 0, 0, 300), (40, 100, 30, 9000, 0)]:
+                assert model.predict(n, c, s, q, t) == fresh.predict(n, c, s, q, t)
