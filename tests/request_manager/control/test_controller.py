@@ -338,9 +338,7 @@ def test_suffix_trees_that_cost_more_than_they_yield_are_not_verified(pair):  # 
     assert_no_blocks_held(engine)
 
 
-def test_an_iteration_that_proposes_nothing_skips_selection_and_keeps_the_output(
-    pair, monkeypatch
-):  # noqa: F811
+def test_an_iteration_that_proposes_nothing_skips_selection_and_keeps_the_output(pair, monkeypatch):  # noqa: F811
     """Most suffix lookups on new text match nowhere: such an iteration runs no calibration,
     selection or pruning (host time on every iteration of a llama.cpp decode), and decodes
     exactly as before."""
