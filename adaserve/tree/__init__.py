@@ -31,10 +31,12 @@ from adaserve.tree.select import (
     tree_shape,
 )
 from adaserve.tree.verify import (
+    is_greedy,
     target_probs,
     verify,
     verify_greedy,
     verify_sampling,
+    walk_greedy,
 )
 
 __all__ = [
@@ -60,5 +62,7 @@ __all__ = [
     "tree_shape",
     "verify",
     "verify_greedy",
+    "walk_greedy",
+    "is_greedy",
     "verify_sampling",
 ]

@@ -67,13 +67,27 @@ def _children_by_token(tokens: Sequence[int], parents: Sequence[int]) -> list[di
     return kids
 
 
+def is_greedy(temperature: float) -> bool:
+    """Whether `verify` decodes greedily at this temperature."""
+    return temperature < GREEDY_BELOW_TEMPERATURE
+
+
 def verify_greedy(
     logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int]
 ) -> tuple[list[int], int]:
     """Greedy walk. Returns (accepted node indices excluding the root, in path order; bonus)."""
-    kids = _children_by_token(tokens, parents)
     # one host sync for all rows instead of one per step
-    best = logits.argmax(dim=-1).tolist()  # [N]
+    return walk_greedy(logits.argmax(dim=-1).tolist(), tokens, parents)
+
+
+def walk_greedy(
+    best: Sequence[int], tokens: Sequence[int], parents: Sequence[int]
+) -> tuple[list[int], int]:
+    """`verify_greedy` given each node's argmax token `best[i]` (read back already: a batch
+    reads every request's rows back at once)."""
+    if len(best) != len(tokens):
+        raise ValueError(f"{len(best)} argmax rows for a tree of {len(tokens)} nodes")
+    kids = _children_by_token(tokens, parents)
     accepted: list[int] = []
     node = 0
     while best[node] in kids[node]:
@@ -124,6 +138,6 @@ def verify(
     """temperature < GREEDY_BELOW_TEMPERATURE -> verify_greedy, else verify_sampling."""
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if temperature < GREEDY_BELOW_TEMPERATURE:
+    if is_greedy(temperature):
         return verify_greedy(logits, tokens, parents)
     return verify_sampling(logits, tokens, parents, temperature, top_k, top_p, generator)

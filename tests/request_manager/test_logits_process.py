@@ -95,6 +95,30 @@ def test_greedy_with_processing_equals_incremental(pair, policy, draft_kind, ext
     assert_no_blocks_held(engine)
 
 
+@pytest.mark.parametrize("policy", ["incremental", "specinfer"])
+def test_a_batch_mixing_raw_and_processed_greedy_requests_gives_each_its_own_output(
+    pair, policy
+) -> None:
+    """Raw greedy requests walk their trees on every logit row's argmax, read back once per
+    iteration; a processed request in the same batch must still walk its processed logits:
+    each request's output is the one it gets served alone."""
+    plain = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    penalized = SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, repetition_penalty=1.8
+    )
+    params = [plain, penalized, plain]
+    draft = pair["copy"] if policy != "incremental" else None
+    alone = [
+        run(make_engine(pair["target"], draft, policy), [prompt], [sp])[0][0]
+        for prompt, sp in zip(PROMPTS, params)
+    ]
+    together, _ = run(make_engine(pair["target"], draft, policy), PROMPTS[:3], params)
+    assert together == alone
+    assert (
+        alone[1] != run(make_engine(pair["target"], draft, policy), [PROMPTS[1]], [plain])[0][0]
+    ), "the penalty must change this request's output, or the test shows nothing"
+
+
 def test_min_tokens_holds_back_eos_and_stop_ids(pair) -> None:
     plain = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     (first,), _ = run(make_engine(pair["target"], None, "incremental"), [[5, 6, 7]], [plain])

@@ -156,3 +156,13 @@ def test_verify_sampling_is_lossless(temperature: float, top_k: int, top_p: floa
         f"emitted token distribution differs from the target: chi2 = {stat:.1f} >= {critical:.1f} "
         f"(df = {df}, p = 0.001)"
     )
+
+
+def test_walk_greedy_on_read_back_argmaxes_is_verify_greedy() -> None:
+    from adaserve.tree import walk_greedy
+
+    tokens, parents, logits = _hand_tree()
+    best = logits.argmax(dim=-1).tolist()
+    assert walk_greedy(best, tokens, parents) == verify_greedy(logits, tokens, parents)
+    with pytest.raises(ValueError, match="5 argmax rows for a tree of 6 nodes"):
+        walk_greedy(best[:5], tokens, parents)
