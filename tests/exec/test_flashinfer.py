@@ -154,6 +154,17 @@ def test_pack_masks_bit_layout(fi, name: str) -> None:
                 assert bool(bit) == bool(dense[row, col]), f"seq {s} ({row}, {col}) misread"
 
 
+def test_decode_rows_pack_as_all_ones_at_every_length(fi) -> None:
+    """Decode rows take a shortcut (no dense mask): the bytes must be the reference packing
+    of kv_len ones, a partial last byte included."""
+    kv_lens = [1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 300]
+    meta = make_meta([1] * len(kv_lens), kv_lens, 16, 64, [False] * len(kv_lens))
+    packed, indptr = fi.pack_masks(meta)
+    for s, kv in enumerate(kv_lens):
+        seg = packed[indptr[s] : indptr[s + 1]].tolist()
+        assert seg == reference_pack(np.ones(kv, dtype=bool)), f"kv_len {kv}"
+
+
 def test_causal_mask_is_the_reference_rule(fi) -> None:
     for q, kv in [(1, 1), (1, 9), (5, 5), (3, 20)]:
         ref = torch.arange(kv)[None, :] <= (kv - q) + torch.arange(q)[:, None]

@@ -56,12 +56,21 @@ class PagedLayout:
     write_slots: np.ndarray  # [num_tokens] int64 flat cache slots of the new tokens
 
 
+# Sequences feeding at most this many tokens get their cache slots computed in plain Python.
+_PYTHON_SLOTS = 32
+
+
 def paged_layout(meta: AttentionMetadata, page_size: int) -> PagedLayout:
     """Indptr/indices/last-page lengths and new-token slots of `meta` (pages = KV blocks)."""
     n = len(meta.query_lens)
     qo_indptr = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(meta.query_lens, out=qo_indptr[1:])
-    pages, indices, last, slots = [], [], [], []
+    pages: list[int] = []
+    indices: list[int] = []
+    last: list[int] = []
+    slots: list[int] = []
+    # Plain Python per sequence (a decode row's pages and slot are a few ints): small numpy
+    # arrays per sequence cost more than the arithmetic at 16+ sequences an iteration.
     for q_len, kv_len, table in zip(meta.query_lens, meta.kv_lens, meta.block_tables):
         if kv_len < 1:
             raise ValueError(f"every sequence needs kv_len >= 1 for FlashInfer, got {kv_len}")
@@ -70,20 +79,26 @@ def paged_layout(meta: AttentionMetadata, page_size: int) -> PagedLayout:
             raise ValueError(
                 f"block table has {len(table)} blocks, kv_len {kv_len} needs {num_pages}"
             )
-        table_arr = np.asarray(table[:num_pages], dtype=np.int64)
         pages.append(num_pages)
-        indices.append(table_arr)
+        indices.extend(table[:num_pages])
         last.append(kv_len - (num_pages - 1) * page_size)
-        idx = np.arange(kv_len - q_len, kv_len)
-        slots.append(table_arr[idx // page_size] * page_size + idx % page_size)
+        if q_len <= _PYTHON_SLOTS:
+            first = kv_len - q_len
+            slots.extend(
+                table[k // page_size] * page_size + k % page_size for k in range(first, kv_len)
+            )
+        else:  # a prompt chunk: its slots in one numpy pass
+            idx = np.arange(kv_len - q_len, kv_len)
+            blocks = np.asarray(table[:num_pages], dtype=np.int64)
+            slots.extend((blocks[idx // page_size] * page_size + idx % page_size).tolist())
     kv_indptr = np.zeros(n + 1, dtype=np.int32)
     np.cumsum(pages, out=kv_indptr[1:])
     return PagedLayout(
         qo_indptr=qo_indptr,
         kv_indptr=kv_indptr,
-        kv_indices=np.concatenate(indices).astype(np.int32) if n else np.zeros(0, np.int32),
+        kv_indices=np.asarray(indices, dtype=np.int32),
         kv_last_page_len=np.asarray(last, dtype=np.int32),
-        write_slots=np.concatenate(slots) if n else np.zeros(0, np.int64),
+        write_slots=np.asarray(slots, dtype=np.int64),
     )
 
 
@@ -102,6 +117,11 @@ def pack_masks(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
     """
     chunks = []
     for q_len, kv_len, m in zip(meta.query_lens, meta.kv_lens, meta.masks):
+        if m is None and q_len == 1:
+            # A decode row sees every key: all ones, the last byte partial (the common case
+            # of a graph-replayed forward, which always runs in custom-mask mode).
+            chunks.append(_ones(kv_len))
+            continue
         # Masks are built on the host (tree layout); .numpy() refuses a CUDA tensor loudly.
         dense = causal_mask(q_len, kv_len) if m is None else m.numpy()
         chunks.append(np.packbits(dense.reshape(-1).astype(bool), bitorder="little"))
@@ -109,6 +129,14 @@ def pack_masks(meta: AttentionMetadata) -> tuple[np.ndarray, np.ndarray]:
     np.cumsum([len(c) for c in chunks], out=indptr[1:])
     packed = np.concatenate(chunks) if chunks else np.zeros(0, np.uint8)
     return packed, indptr
+
+
+def _ones(bits: int) -> np.ndarray:
+    """`bits` set bits packed little-endian (np.packbits of that many ones)."""
+    packed = np.full(-(-bits // 8), 0xFF, dtype=np.uint8)
+    if bits % 8:
+        packed[-1] = (1 << (bits % 8)) - 1
+    return packed
 
 
 def attention_mode(meta: AttentionMetadata) -> Mode:
