@@ -185,7 +185,14 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
             f"transformers could not build a tokenizer from the GGUF file behind {path} "
             f"({failed.read_text().strip()}); name one with tokenizer (--tokenizer DIR_OR_HUB_ID)"
         )
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if (path / GGUF_SOURCE).exists() and getattr(tok, "clean_up_tokenization_spaces", False):
+        # A GGUF's text is what llama.cpp detokenizes, with no clean-up of spaces before
+        # punctuation; some transformers versions (5.17) turn it on for a tokenizer built from
+        # GGUF metadata, which also forces whole-output decoding on every iteration
+        # (request_manager/output.py streams only without it).
+        tok.clean_up_tokenization_spaces = False
+    return tok
 
 
 def generation_eos_ids(path: Path) -> tuple[int, ...]:

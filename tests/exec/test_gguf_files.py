@@ -154,3 +154,26 @@ def test_an_eagle_head_beside_a_gguf_target_borrows_only_its_embedding(tmp_path,
     assert len(out.outputs[0].token_ids) == 40
     assert out.metrics.num_accepted_tokens >= 10, out.metrics
     assert safetensors_in(cache) == [], "the head's target was expanded"
+
+
+@pytest.mark.parametrize("from_gguf", [True, False])
+def test_a_gguf_tokenizer_decodes_as_llama_cpp_without_space_clean_up(tmp_path, from_gguf):
+    """transformers 5.17 turns clean_up_tokenization_spaces on for a tokenizer it builds from
+    GGUF metadata: text unlike llama.cpp's (" ." kept as "."), and whole-output decoding on
+    every iteration instead of streaming. A GGUF's tokenizer loads with it off; a checkpoint
+    that asks for it keeps it."""
+    from adaserve.exec.checkpoint_files import GGUF_SOURCE
+    from adaserve.request_manager.output import OutputProcessor
+    from tests.conftest import make_tokenizer
+
+    make_tokenizer(16).save_pretrained(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data["clean_up_tokenization_spaces"] = True
+    config.write_text(json.dumps(data))
+    if from_gguf:
+        (tmp_path / GGUF_SOURCE).write_text(json.dumps({"gguf": "model.gguf"}))
+    tok = load_tokenizer(tmp_path)
+    assert tok.clean_up_tokenization_spaces is (not from_gguf)
+    streams = OutputProcessor(tok, max_model_len=64).backend is not None
+    assert streams is from_gguf, "a GGUF's text streams; a clean-up checkpoint decodes whole"
