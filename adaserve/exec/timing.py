@@ -45,37 +45,77 @@ def time_forward_samples(
     runner: Runner, tokens: int, context: int, repeats: int
 ) -> list[float] | None:
     """Every timed run (ms) of `time_forward`'s shape; None when the KV pool cannot hold it."""
-    cache, vocab = runner.cache, runner.args.vocab_size
-    lens = split_tokens(tokens, NUM_SEQS)
-    if sum(cache.blocks_needed([], context + q) for q in lens) > cache.allocator.num_free:
-        return None
-    tables: list[list[int]] = [[] for _ in lens]
-    try:
-        builder, warm = SequenceBatchBuilder(), SequenceBatchBuilder()
-        for table, q in zip(tables, lens):
-            cache.reserve(table, context + q)
-            ids = [(context + i) % vocab for i in range(q)]  # any in-vocabulary ids will do
-            builder.add(ids, list(range(context, context + q)), context + q, table)
-            if context:
-                warm.add(
-                    list(range(1, context + 1)), list(range(context)), context, table, logits="none"
-                )
-        if context and runner.needs_context:
-            # A backend whose attention reads only the cells a sequence holds (ggml) would
-            # time a context-free forward: compute the context first.
-            runner.forward(warm.batch)
+    with ShapeTimer(runner, context) as timer:
+        return timer.samples(tokens, repeats)
+
+
+class ShapeTimer:
+    """Times forwards of new tokens over sequences that hold `context` cached tokens each.
+
+    A backend whose attention reads only the cells a sequence holds (ggml) would time a
+    context-free forward, so the context is computed, once per sequence: the sequences are
+    kept from shape to shape and cut back to `context` after every timed run. (Computing it
+    per shape made the cost curve that seeds every ggml engine take ~20 s on a 2-core CPU.)
+    Use as a context manager: leaving it releases every sequence's KV.
+    """
+
+    def __init__(self, runner: Runner, context: int) -> None:
+        self.runner, self.context = runner, context
+        self.tables: list[list[int]] = []  # sequences holding the context, in order of use
+
+    def __enter__(self) -> ShapeTimer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for table in self.tables:
+            self.runner.cache.release(table)
+        self.tables = []
+
+    def samples(self, tokens: int, repeats: int) -> list[float] | None:
+        """Every timed run (ms) of a forward of `tokens` new tokens over up to NUM_SEQS
+        sequences (after one untimed run that warms the shape up); None when the KV pool
+        cannot hold the shape."""
+        runner, cache, context = self.runner, self.runner.cache, self.context
+        lens = split_tokens(tokens, NUM_SEQS)
+        fresh: list[list[int]] = [[] for _ in range(len(lens) - len(self.tables))]
+        need = sum(
+            cache.blocks_needed(table, context + q)
+            for table, q in zip([*self.tables, *fresh], lens)
+        )
+        if need > cache.allocator.num_free:
+            return None
+        if fresh:
+            warm = SequenceBatchBuilder()
+            for table in fresh:
+                cache.reserve(table, context)
+                if context:
+                    warm.add(
+                        list(range(1, context + 1)),
+                        list(range(context)),
+                        context,
+                        table,
+                        logits="none",
+                    )
+            self.tables += fresh
+            if context and runner.needs_context:
+                runner.forward(warm.batch)
+        vocab = runner.args.vocab_size
         samples = []
         for i in range(repeats + 1):  # the first run warms this shape up and is not counted
+            builder = SequenceBatchBuilder()
+            for table, q in zip(self.tables, lens):
+                cache.reserve(table, context + q)
+                ids = [(context + j) % vocab for j in range(q)]  # any in-vocabulary ids will do
+                builder.add(ids, list(range(context, context + q)), context + q, table)
             _sync(runner.device)
             start = time.perf_counter()
             runner.forward(builder.batch)
             _sync(runner.device)
             if i:
                 samples.append(1000.0 * (time.perf_counter() - start))
+            for table in self.tables[: len(lens)]:
+                cache.truncate(table, context)
         return samples
-    finally:
-        for table in tables:
-            cache.release(table)
 
 
 def forward_cost_points(
@@ -94,10 +134,12 @@ def forward_cost_points(
     per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
     context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
     points = []
-    for tokens in counts:
-        ms = time_forward(runner, tokens, context, repeats)
-        if ms is not None:
-            points.append((tokens, context * len(split_tokens(tokens, NUM_SEQS)), ms / 1000.0))
+    with ShapeTimer(runner, context) as timer:
+        for tokens in counts:
+            samples = timer.samples(tokens, repeats)
+            if samples is not None:
+                ms = statistics.median(samples)
+                points.append((tokens, context * len(split_tokens(tokens, NUM_SEQS)), ms / 1000.0))
     return points
 
 

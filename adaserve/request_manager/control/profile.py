@@ -15,6 +15,7 @@ Measured on the machine that serves, never taken from a spec sheet:
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import logging
 import math
@@ -33,11 +34,11 @@ from adaserve.exec.timing import (
     BASELINE_BATCH,
     BASELINE_INPUT,
     NUM_SEQS,
+    ShapeTimer,
     baseline_latency_ms,
     powers_of_two,
     split_tokens,
     time_forward,
-    time_forward_samples,
 )
 from adaserve.exec.torch_runner import ModelRunner
 from adaserve.request_manager.control.cost_model import ForwardCostModel
@@ -283,14 +284,17 @@ def profile_engine(
     try:
         for _ in range(3):  # first forwards allocate and pick kernels: keep them out of the numbers
             time_forward(engine.target, 1, 0, 1)
-        for which, runner, tokens, ctx in jobs:
-            samples = time_forward_samples(runner, tokens, ctx, plan.repeats)
-            if samples is not None:  # shapes the KV pool cannot hold are left out
-                ms = statistics.median(samples)
-                points[which].append(LatencyPoint(tokens, ctx, ms))
-                if which == "target":
-                    spread = max(spread, (max(samples) - min(samples)) / ms)
-            bar.update()
+        # One ShapeTimer per runner and context: each context is computed once, not per shape.
+        for (which, runner, ctx), group in itertools.groupby(jobs, lambda j: (j[0], j[1], j[3])):
+            with ShapeTimer(runner, ctx) as timer:
+                for _, _, tokens, _ in group:
+                    samples = timer.samples(tokens, plan.repeats)
+                    if samples is not None:  # shapes the KV pool cannot hold are left out
+                        ms = statistics.median(samples)
+                        points[which].append(LatencyPoint(tokens, ctx, ms))
+                        if which == "target":
+                            spread = max(spread, (max(samples) - min(samples)) / ms)
+                    bar.update()
         baseline = baseline_latency_ms(engine.target, plan.baseline_steps)
         bar.update()
     finally:
