@@ -2,9 +2,14 @@
 
     python -m adaserve.bench.policies [--concurrency 1 4 16] [--max-tokens 32]
 
-Every policy gets the same prompts, greedy, in the same run, taking turns at each concurrency
-(--repeats runs each, the median reported); requests carry mixed TPOT SLOs (--slos, ms;
-0 = none); the time runs from submission to the last token, prefill included. By default
+Every policy gets the same prompts, greedy, in the same run, `--repeats` rounds at each
+concurrency; requests carry mixed TPOT SLOs (--slos, ms; 0 = none); the time runs from
+submission to the last token, prefill included. By default (`--schedule interleaved`) the
+policies' engines serve side by side each round, their steps alternating one by one, each
+timed on its own steps, and each policy reports its totals over the rounds ("per round": the
+range of the rounds' ratios to the first policy): a slow moment of this shared machine then
+falls on every policy alike. `--schedule sequential` runs one pass after another and reports
+the median pass. By default
 (`--scenario new`) every pass runs on a fresh engine that has never seen the prompts
 (`bench/passes.py`); `--scenario repeated` keeps one engine per policy for the whole run, so
 what it learns from traffic (calibration, the cost model, a suffix index of earlier answers)
@@ -41,48 +46,101 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
 
 @dataclass
 class Result:
-    tokens_per_s: float
-    accepted_per_iter: float  # mean accepted draft tokens per request per iteration
-    iter_ms: float
-    draft_ms: float
-    select_ms: float
-    verify_ms: float
-    slo_attained: float
+    """Totals of one or more passes of one policy (each pass: one engine, one batch)."""
+
+    tokens: int = 0
+    seconds: float = 0.0  # time in the engine's own steps, submission to the last token
+    decode_iterations: int = 0
+    request_iterations: int = 0  # decode iterations x the requests in each
+    accepted: int = 0
+    total_s: float = 0.0
+    draft_s: float = 0.0
+    select_s: float = 0.0
+    verify_s: float = 0.0
+    slo_met: int = 0
+    with_slo: int = 0
+
+    def add(self, other: Result) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+    @property
+    def accepted_per_iter(self) -> float:  # accepted draft tokens per request per iteration
+        return self.accepted / max(1, self.request_iterations)
+
+    def per_iter_ms(self, seconds: float) -> float:
+        return 1000.0 * seconds / max(1, self.decode_iterations)
+
+    @property
+    def slo_attained(self) -> float:
+        return self.slo_met / max(1, self.with_slo)
+
+
+class Pass:
+    """One engine serving one batch of prompts, all submitted at once, a step at a time; its
+    seconds are those of its own steps."""
+
+    def __init__(
+        self, engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float | None]
+    ) -> None:
+        self.engine, self.result = engine, Result()
+        for i, p in enumerate(batch):
+            engine.add_request(
+                p,
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=0.0,
+                    ignore_eos=True,
+                    slo_tpot_ms=slos[i % len(slos)],
+                ),
+            )
+
+    @property
+    def done(self) -> bool:
+        return not self.engine.has_unfinished()
+
+    def step(self) -> None:
+        r, start = self.result, time.perf_counter()
+        outs = self.engine.step()
+        r.seconds += time.perf_counter() - start
+        for out in outs:
+            r.tokens += len(out.delta_token_ids)
+            if out.finished and out.metrics.slo_attained is not None:
+                r.with_slo += 1
+                r.slo_met += bool(out.metrics.slo_attained)
+        s = self.engine.last_stats
+        if s is not None and s.kind == "decode":
+            r.decode_iterations += 1
+            r.request_iterations += s.num_requests
+            r.accepted += s.accepted_tokens
+            r.total_s += s.total_s
+            r.draft_s += s.draft_s
+            r.select_s += s.select_s
+            r.verify_s += s.verify_s
+
+
+def serve_side_by_side(
+    engines: list[LLMEngine], batch: list[str], max_tokens: int, slos: list[float | None]
+) -> list[Result]:
+    """Each engine serves `batch`, their steps interleaved one by one, each charged only its
+    own steps: a slow moment of the machine falls on every policy alike. (Passes one after
+    another on a fresh engine each moved by 10-20% here: one request's decode took 12-17 ms
+    per token in four passes of the same configuration; `--schedule sequential`.)"""
+    passes = [Pass(e, batch, max_tokens, slos) for e in engines]
+    while not all(p.done for p in passes):
+        for p in passes:
+            if not p.done:
+                p.step()
+    return [p.result for p in passes]
 
 
 def run(engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float | None]) -> Result:
-    for i, p in enumerate(batch):
-        engine.add_request(
-            p,
-            SamplingParams(
-                max_tokens=max_tokens,
-                temperature=0.0,
-                ignore_eos=True,
-                slo_tpot_ms=slos[i % len(slos)],
-            ),
-        )
-    start = time.perf_counter()
-    tokens, decode, finished = 0, [], []
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens += len(out.delta_token_ids)
-            if out.finished:
-                finished.append(out.metrics)
-        if engine.last_stats.kind == "decode":
-            decode.append(engine.last_stats)
-    elapsed = time.perf_counter() - start
-    n = max(1, len(decode))
-    req_iters = max(1, sum(s.num_requests for s in decode))
-    with_slo = [m for m in finished if m.slo_attained is not None]
-    return Result(
-        tokens / elapsed,
-        sum(s.accepted_tokens for s in decode) / req_iters,
-        1000 * sum(s.total_s for s in decode) / n,
-        1000 * sum(s.draft_s for s in decode) / n,
-        1000 * sum(s.select_s for s in decode) / n,
-        1000 * sum(s.verify_s for s in decode) / n,
-        sum(bool(m.slo_attained) for m in with_slo) / max(1, len(with_slo)),
-    )
+    """One pass on its own."""
+    return serve_side_by_side([engine], batch, max_tokens, slos)[0]
 
 
 def main() -> None:
@@ -112,8 +170,16 @@ def main() -> None:
         "--repeats",
         type=int,
         default=3,
-        help="runs per point; the median counts (the policies' order rotates by one each "
-        "repeat: a multiple of the policy count gives each policy each slot equally often)",
+        help="rounds per point (the policies' order rotates by one each round: a multiple of "
+        "the policy count gives each policy each slot equally often)",
+    )
+    ap.add_argument(
+        "--schedule",
+        choices=("interleaved", "sequential"),
+        default="interleaved",
+        help="interleaved: each round the policies' engines serve side by side, steps "
+        "alternating, and each reports its totals over the rounds; sequential: one pass "
+        "after another, the median pass reported",
     )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
@@ -131,13 +197,13 @@ def main() -> None:
     print(
         f"budget {args.budget}, {args.max_tokens} tokens/request, greedy, SLOs {slos} ms, "
         f"drafter {args.drafter} {args.draft_model or ''}, backend {args.backend}, "
-        f"scenario {args.scenario}\n"
+        f"scenario {args.scenario}, {args.repeats} rounds, {args.schedule}\n"
     )
     print(
-        "| policy | concurrent | tok/s | vs incremental | accepted/iter | iter ms | draft ms "
-        "| select ms | verify ms | SLO attained |"
+        "| policy | concurrent | tok/s | vs incremental | per round | accepted/iter | iter ms "
+        "| draft ms | select ms | verify ms | SLO attained |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def factory(overrides: dict) -> Callable[[], LLMEngine]:
         def build() -> LLMEngine:
@@ -170,21 +236,42 @@ def main() -> None:
         if not args.policies or label in args.policies or overrides["policy"] in args.policies
     ]
     pool = EnginePool(args.scenario, {label: factory(o) for label, o in chosen})
-    # Policies take turns at every concurrency, `--repeats` times; the median run is reported,
-    # so a disturbance of the machine hits one run of one policy, not a whole column.
+    # Policies take turns at every concurrency, `--repeats` times. Interleaved (default): each
+    # round the policies' fresh engines serve side by side, and each reports its totals over
+    # the rounds. Sequential: one pass after another, the median pass reported, so a
+    # disturbance of the machine hits one run of one policy, not a whole column.
     for c in args.concurrency:
         runs: dict[str, list[Result]] = {label: [] for label in pool.labels}
         for i in range(args.repeats):
-            for label in turns(pool.labels, i):  # no configuration always runs first
-                runs[label].append(run(pool.engine(label), prompts(c), args.max_tokens, slos))
-        base = None
+            order = turns(pool.labels, i)  # no configuration always runs (steps) first
+            if args.schedule == "interleaved":
+                engines = [pool.engine(label) for label in order]
+                served = serve_side_by_side(engines, prompts(c), args.max_tokens, slos)
+                del engines
+            else:
+                served = [
+                    run(pool.engine(label), prompts(c), args.max_tokens, slos) for label in order
+                ]
+            for label, r in zip(order, served):
+                runs[label].append(r)
+        shown: dict[str, Result] = {}
         for label, results in runs.items():
-            r = sorted(results, key=lambda x: x.tokens_per_s)[len(results) // 2]
-            base = base or r.tokens_per_s
+            if args.schedule == "interleaved":
+                shown[label] = Result()
+                for r in results:
+                    shown[label].add(r)
+            else:
+                shown[label] = sorted(results, key=lambda x: x.tokens_per_s)[len(results) // 2]
+        base = shown[pool.labels[0]].tokens_per_s
+        first = runs[pool.labels[0]]
+        for label, r in shown.items():
+            ratios = [x.tokens_per_s / b.tokens_per_s for x, b in zip(runs[label], first)]
             print(
                 f"| {label} | {c} | {r.tokens_per_s:.1f} | {r.tokens_per_s / base:.2f}x "
-                f"| {r.accepted_per_iter:.2f} | {r.iter_ms:.0f} | {r.draft_ms:.0f} "
-                f"| {r.select_ms:.1f} | {r.verify_ms:.0f} | {100 * r.slo_attained:.0f}% |",
+                f"| {min(ratios):.2f}-{max(ratios):.2f} | {r.accepted_per_iter:.2f} "
+                f"| {r.per_iter_ms(r.total_s):.0f} | {r.per_iter_ms(r.draft_s):.0f} "
+                f"| {r.per_iter_ms(r.select_s):.1f} | {r.per_iter_ms(r.verify_s):.0f} "
+                f"| {100 * r.slo_attained:.0f}% |",
                 flush=True,
             )
 

@@ -105,3 +105,32 @@ def test_each_configuration_takes_each_slot_equally_often() -> None:
         assert all(held.count(label) == 2 for label in labels), f"slot {slot}: {held}"
     assert rounds[0] == labels, "the first round keeps the given order"
     assert turns([], 3) == []
+
+
+def test_the_policies_bench_serves_side_by_side_and_charges_each_its_own_steps(tiny_llama) -> None:
+    """`bench.policies --schedule interleaved` (its default): both engines serve the whole
+    batch (every token, every SLO judged) and each is charged only its own steps."""
+    import time
+
+    from adaserve.bench.policies import Result, run, serve_side_by_side
+
+    def build(policy: str) -> LLMEngine:
+        return LLMEngine(
+            ModelConfig(model=str(tiny_llama), drafter="suffix"),
+            CacheConfig(block_size=4, num_blocks=256),
+            SchedulerConfig(policy=policy, budget=8, max_num_seqs=4),
+        )
+
+    batch, slos = ["a b c d", "e f g", "h i j k l"], [150.0, None]
+    alone = run(build("adaserve"), batch, 6, slos)
+    start = time.perf_counter()
+    paired = serve_side_by_side([build("incremental"), build("adaserve")], batch, 6, slos)
+    wall = time.perf_counter() - start
+    assert [r.tokens for r in paired] == [alone.tokens] * 2 == [3 * 6] * 2
+    assert [r.with_slo for r in paired] == [2, 2], "the two requests with an SLO are judged"
+    assert all(r.decode_iterations >= 5 and r.seconds > 0 for r in paired)
+    assert sum(r.seconds for r in paired) <= wall, "an engine was charged the other's steps"
+    total = Result()
+    total.add(paired[0])
+    total.add(paired[1])
+    assert total.tokens == 36 and total.seconds == paired[0].seconds + paired[1].seconds
