@@ -62,10 +62,12 @@ def build_engine(a: argparse.Namespace) -> tuple[LLMEngine, bool]:
     start-up one (then what the server measures refreshes it at shutdown)."""
     from adaserve.llm import LLMEngine
 
-    engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting))
+    profiled = a.policy != "incremental" and a.budget is None
+    # A profile brings its own cost model: no cost curve measured first only to be replaced.
+    engine = LLMEngine(*engine_configs(a, max_waiting=a.max_waiting), prepare=not profiled)
     log = logging.getLogger("adaserve")
     cached_profile = False
-    if a.policy != "incremental" and a.budget is None:
+    if profiled:
         from adaserve.request_manager.control.profile import Profile, startup_profile
 
         prof = Profile.load(a.profile) if a.profile else startup_profile(engine.engine)
@@ -75,6 +77,7 @@ def build_engine(a: argparse.Namespace) -> tuple[LLMEngine, bool]:
                 "defaults, costs measured online",
                 engine.sched_cfg.budget,
             )
+            engine.apply_profile(engine.sched_cfg.budget, engine.sched_cfg.t_spec_init_s)
         else:
             cached_profile = not a.profile
             cost = prof.forward_cost_model(engine.sched_cfg.cost_forget)

@@ -71,9 +71,17 @@ class LLMEngine:
     """Continuous-batching engine over one target (and draft) model."""
 
     def __init__(
-        self, model_cfg: ModelConfig, cache_cfg: CacheConfig, sched_cfg: SchedulerConfig
+        self,
+        model_cfg: ModelConfig,
+        cache_cfg: CacheConfig,
+        sched_cfg: SchedulerConfig,
+        prepare: bool = True,
     ) -> None:
+        """`prepare=False`: skip what `apply_profile` redoes anyway (timing the forward cost
+        curve that seeds the cost model, ~7 s on ggml here; capturing CUDA graphs); the
+        engine serves only after `apply_profile`."""
         self.model_cfg, self.cache_cfg, self.sched_cfg = model_cfg, cache_cfg, sched_cfg
+        self.prepared = prepare
         drafter = model_cfg.resolved_drafter
         need_draft: bool | str = False
         if sched_cfg.speculative and ("model" in drafter or "eagle" in drafter):
@@ -86,8 +94,10 @@ class LLMEngine:
         if model_cfg.drafter == "auto" and draft is not None and is_eagle_head(draft):
             drafter = "eagle"
         self.drafter = drafter
-        self.scheduler = Scheduler(sched_cfg, self.engine, drafter)
-        self._capture_graphs()
+        # Unprepared: unseeded cost models, replaced with the scheduler by apply_profile.
+        self.scheduler = Scheduler(sched_cfg, self.engine, drafter, measure=prepare)
+        if prepare:
+            self._capture_graphs()
         self._ids = itertools.count()
         self._grammars: GrammarCompiler | None = None
         self._grammars_lock = threading.Lock()
@@ -101,6 +111,7 @@ class LLMEngine:
         self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
         self.scheduler = Scheduler(self.sched_cfg, self.engine, self.drafter, cost_model)
         self._capture_graphs()  # a larger B reaches more token buckets
+        self.prepared = True
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of the decode iterations this configuration meets, captured now."""
@@ -142,6 +153,8 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> Request:
         """Queue a request; raises ValueError naming the problem for bad input."""
+        if not self.prepared:
+            raise RuntimeError("an engine built with prepare=False serves after apply_profile")
         if params.n != 1:
             raise ValueError(
                 f"n = {params.n}: the engine runs one sample per request; use LLM.generate or "

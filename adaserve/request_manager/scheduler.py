@@ -49,8 +49,11 @@ class Scheduler:
         engine: Engine,
         drafter: str | Drafter = "auto",
         cost_model: ForwardCostModel | None = None,
+        measure: bool = True,
     ) -> None:
         """`cost_model`: the target's forward cost (from a profile); measured here if None.
+        `measure=False`: nothing is timed (a scheduler about to be replaced, with a profile's
+        cost model: `LLMEngine(prepare=False)`); the cost models stay unseeded.
 
         `drafter`: a name (`make_drafter`) or a Drafter instance (the simulator's).
         """
@@ -85,12 +88,13 @@ class Scheduler:
         self._failed: list[Request] = []  # failed since the iteration began
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
-            cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
+            if measure:
+                cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
         self.cost = cost_model
         self.admission = Admission(
             cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting), self.clock
         )
-        self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel())
+        self.planner = TreePlanner(cfg, engine, drafter, cost_model or ForwardCostModel(), measure)
         self.drafter = self.planner.drafter
         self.controller = self.planner.controller
 

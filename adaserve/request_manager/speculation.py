@@ -59,7 +59,10 @@ class TreePlanner:
         engine: Engine,
         drafter: str | Drafter,
         cost: ForwardCostModel,
+        measure: bool = True,
     ) -> None:
+        """`measure=False`: the draft's cost curve is not timed (a planner about to be
+        replaced, `LLMEngine(prepare=False)`)."""
         self.cfg, self.engine = cfg, engine
         self.drafter: Drafter | None = None
         self.num_draft_failures = 0  # iterations whose drafter raised (verified roots only)
@@ -79,7 +82,8 @@ class TreePlanner:
             draft_cost = None
             if self.drafter.costly and engine.draft is not None:
                 draft_cost = ForwardCostModel(forget=cfg.cost_forget)
-                draft_cost.seed(engine.draft.cost_points(cfg.budget))
+                if measure:
+                    draft_cost.seed(engine.draft.cost_points(cfg.budget))
             # A backend that runs every forward at its own size (llama.cpp) is priced at it:
             # a padded size the runner would never run must not look like the cheaper one.
             pad_limit = cfg.budget if engine.target.supports_padding else 0

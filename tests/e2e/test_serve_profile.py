@@ -33,3 +33,38 @@ def test_serve_uses_the_budget_of_the_given_profile(tiny_llama, tmp_path):
         assert httpx.get(f"{url}/health", timeout=10).json()["budget"] == 9, (
             "an explicit --budget must win over the profile"
         )
+
+
+def test_serve_measures_no_cost_curve_that_its_profile_replaces(tiny_llama, tmp_path, monkeypatch):
+    """`serve` with a profile builds its engine unprepared: the cost curve that would seed a
+    cost model only to be replaced by the profile's is not timed (~7 s of a ggml start here);
+    without a profile to apply (incremental, an explicit --budget) it is, once."""
+    from adaserve import SamplingParams
+    from adaserve.cli import build_engine, build_parser
+    from adaserve.exec.torch_runner import ModelRunner
+
+    timed: list[tuple[ModelRunner, int]] = []  # (runner, max tokens) of each cost curve
+    real = ModelRunner.cost_points
+    monkeypatch.setattr(
+        ModelRunner, "cost_points", lambda self, n: timed.append((self, n)) or real(self, n)
+    )
+    points = tuple(LatencyPoint(t, 64, 10.0 + t) for t in (1, 2, 4, 8))
+    prof = Profile("cpu", "tiny", "tiny", points, points, 6, 1.5, 64, 11.0)
+    path = prof.save(tmp_path / "profile.json")
+    base = ["serve", str(tiny_llama), "--draft-model", str(tiny_llama), "--num-blocks", "64"]
+
+    engine, _ = build_engine(build_parser().parse_args([*base, "--profile", str(path)]))
+    # The draft's curve is timed once, at the profile's B; the target's not at all.
+    assert timed == [(engine.engine.draft, 6)] and engine.sched_cfg.budget == 6
+    assert engine.scheduler.cost.predict(4, 256) > 0, "the profile's cost model is in use"
+    engine.add_request("a b c", SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    assert steps >= 4
+    for extra in (["--policy", "incremental"], ["--budget", "5"]):
+        timed.clear()
+        engine, _ = build_engine(build_parser().parse_args([*base, *extra]))
+        target = [n for runner, n in timed if runner is engine.engine.target]
+        assert target == [max(engine.sched_cfg.budget, 64)], extra
