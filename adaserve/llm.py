@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import fields, replace
 from typing import Any, cast
 
@@ -112,6 +112,16 @@ class LLMEngine:
         self.scheduler = Scheduler(self.sched_cfg, self.engine, self.drafter, cost_model)
         self._capture_graphs()  # a larger B reaches more token buckets
         self.prepared = True
+
+    def use_clock(self, clock: Callable[[], float]) -> None:
+        """Read every timestamp (arrivals, token times, deadlines, paces) from `clock` from
+        now on (engine idle only): the benchmarks that serve engines side by side give each
+        one a clock that runs only during its own steps (`bench.passes.OwnClock`)."""
+        if self.has_unfinished():
+            raise RuntimeError("use_clock needs an idle engine")
+        self.engine.clock = clock
+        self.scheduler.clock = clock
+        self.scheduler.admission.clock = clock
 
     def _capture_graphs(self) -> None:
         """CUDA graphs of the decode iterations this configuration meets, captured now."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool, turns
+from adaserve.bench.passes import SCENARIOS, EnginePool, own_clock, turns
 from adaserve.bench.trace import load_trace
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -89,6 +89,7 @@ class Pass:
         staggered: bool = False,
     ) -> None:
         self.engine, self.concurrency = engine, concurrency
+        self.clock = own_clock(engine)  # the engine's time: its own steps only
         self.params = [
             SamplingParams(max_tokens=output_limit(max_tokens, i, staggered), temperature=0.0)
             for i in range(len(prompts))
@@ -102,13 +103,14 @@ class Pass:
 
     def step(self) -> None:
         engine, r = self.engine, self.result
-        start = time.perf_counter()
-        sched = engine.scheduler
-        while self.pending and len(sched.running) + len(sched.waiting) < self.concurrency:
-            params = self.params[len(self.params) - len(self.pending)]
-            engine.add_request(self.pending.pop(0), params)
-        outs = engine.step()
-        r.seconds += time.perf_counter() - start
+        with self.clock.running():
+            start = time.perf_counter()
+            sched = engine.scheduler
+            while self.pending and len(sched.running) + len(sched.waiting) < self.concurrency:
+                params = self.params[len(self.params) - len(self.pending)]
+                engine.add_request(self.pending.pop(0), params)
+            outs = engine.step()
+            r.seconds += time.perf_counter() - start
         r.tokens += sum(len(o.delta_token_ids) for o in outs)
         s = engine.last_stats
         if s is not None and s.kind == "decode":
@@ -144,9 +146,10 @@ def serve_side_by_side(
     staggered: bool = False,
 ) -> list[Result]:
     """Each engine serves the same `prompts`, their steps interleaved one by one, each timed
-    on its own steps. A slow moment of a shared machine (this one moves 10-20% between
-    passes a minute apart) then falls on every configuration alike: two identical engines
-    served this way differ by ~2%, in passes one after another by up to 20%."""
+    on its own steps and reading a clock that runs only during them (`passes.OwnClock`). A
+    slow moment of a shared machine (this one moves 10-20% between passes a minute apart)
+    then falls on every configuration alike: two identical engines served this way differ by
+    ~2%, in passes one after another by up to 20%."""
     passes = [Pass(e, prompts, concurrency, max_tokens, staggered) for e in engines]
     while not all(p.done for p in passes):
         for p in passes:

@@ -10,7 +10,9 @@ after pass, as for traffic that repeats (the suffix index then holds the answers
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from adaserve import LLMEngine, SamplingParams
 
@@ -66,3 +68,39 @@ class EnginePool:
         if self.scenario == "repeated":
             self._kept[label] = engine
         return engine
+
+
+class OwnClock:
+    """A clock that runs only while its engine steps (`running()`): time.monotonic() less
+    the time spent outside its steps.
+
+    Engines served side by side each read their own (`LLMEngine.use_clock`), so what their
+    schedulers see (arrivals, token times, SLO paces and deadlines, TTFT objectives) and the
+    SLO attainment they report are what they would be alone. On the wall clock, seven
+    engines taking turns saw every token ~7 times late: each request's pace looked lost and
+    no SLO was met."""
+
+    def __init__(self) -> None:
+        self._paused_at: float | None = time.monotonic()
+        self._offset = 0.0  # seconds spent outside the engine's steps
+
+    def __call__(self) -> float:
+        now = time.monotonic() if self._paused_at is None else self._paused_at
+        return now - self._offset
+
+    @contextmanager
+    def running(self) -> Iterator[None]:
+        assert self._paused_at is not None, "running() does not nest"
+        self._offset += time.monotonic() - self._paused_at
+        self._paused_at = None
+        try:
+            yield
+        finally:
+            self._paused_at = time.monotonic()
+
+
+def own_clock(engine: LLMEngine) -> OwnClock:
+    """Give an idle engine a fresh OwnClock; step it inside `clock.running()`."""
+    clock = OwnClock()
+    engine.use_clock(clock)
+    return clock

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool, turns
+from adaserve.bench.passes import SCENARIOS, EnginePool, own_clock, turns
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.torch_runner import ModelRunner
@@ -88,6 +88,7 @@ class Pass:
         self, engine: LLMEngine, batch: list[str], max_tokens: int, slos: list[float | None]
     ) -> None:
         self.engine, self.result = engine, Result()
+        self.clock = own_clock(engine)  # the engine's time: its own steps only
         for i, p in enumerate(batch):
             engine.add_request(
                 p,
@@ -104,9 +105,11 @@ class Pass:
         return not self.engine.has_unfinished()
 
     def step(self) -> None:
-        r, start = self.result, time.perf_counter()
-        outs = self.engine.step()
-        r.seconds += time.perf_counter() - start
+        r = self.result
+        with self.clock.running():
+            start = time.perf_counter()
+            outs = self.engine.step()
+            r.seconds += time.perf_counter() - start
         for out in outs:
             r.tokens += len(out.delta_token_ids)
             if out.finished and out.metrics.slo_attained is not None:
@@ -127,7 +130,9 @@ def serve_side_by_side(
     engines: list[LLMEngine], batch: list[str], max_tokens: int, slos: list[float | None]
 ) -> list[Result]:
     """Each engine serves `batch`, their steps interleaved one by one, each charged only its
-    own steps: a slow moment of the machine falls on every policy alike. (Passes one after
+    own steps and reading a clock that runs only during them (`passes.OwnClock`: its SLO
+    paces and attainment are those of serving alone): a slow moment of the machine falls
+    on every policy alike. (Passes one after
     another on a fresh engine each moved by 10-20% here: one request's decode took 12-17 ms
     per token in four passes of the same configuration; `--schedule sequential`.)"""
     passes = [Pass(e, batch, max_tokens, slos) for e in engines]

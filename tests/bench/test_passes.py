@@ -134,3 +134,50 @@ def test_the_policies_bench_serves_side_by_side_and_charges_each_its_own_steps(t
     total.add(paired[0])
     total.add(paired[1])
     assert total.tokens == 36 and total.seconds == paired[0].seconds + paired[1].seconds
+
+
+def test_an_own_clock_runs_only_inside_its_steps(monkeypatch) -> None:
+    from adaserve.bench import passes
+
+    now = [100.0]
+    monkeypatch.setattr(passes.time, "monotonic", lambda: now[0])
+    clock = passes.OwnClock()
+    start = clock()
+    now[0] += 5.0  # another engine's steps
+    assert clock() == start
+    with clock.running():
+        now[0] += 0.25
+        assert clock() == start + 0.25
+    now[0] += 7.0
+    with clock.running():
+        now[0] += 0.5
+    assert clock() == start + 0.75
+
+
+def test_side_by_side_engines_keep_their_own_slo_pace_and_attainment(tiny_llama) -> None:
+    """Beside an engine whose steps take 0.2 s, an engine serving 100 ms SLOs still meets
+    them, as it would alone: its scheduler and its metrics read its own time, not the
+    other's steps (on the wall clock every one of its tokens came 0.2 s apart)."""
+    import time
+
+    from adaserve.bench.policies import serve_side_by_side
+
+    def build() -> LLMEngine:
+        return LLMEngine(
+            ModelConfig(model=str(tiny_llama), drafter="suffix"),
+            CacheConfig(block_size=4, num_blocks=256),
+            SchedulerConfig(policy="adaserve", budget=8, max_num_seqs=4),
+        )
+
+    slow, fast = build(), build()
+    real_step = slow.step
+
+    def slow_step():
+        time.sleep(0.2)
+        return real_step()
+
+    slow.step = slow_step  # type: ignore[method-assign]
+    batch = ["a b c d", "e f g"]
+    got = serve_side_by_side([slow, fast], batch, 5, [100.0])
+    assert got[1].with_slo == 2 and got[1].slo_met == 2, "the fast engine's SLOs were lost"
+    assert got[0].with_slo == 2 and got[0].slo_met == 0, "0.2 s steps cannot meet 100 ms"
