@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -309,7 +309,7 @@ def e2e_section(dtype: str, device: str, concurrency: Sequence[int], max_tokens:
                         "graphs": graphs,
                         "captured": graph_runner.num_graphs if graph_runner else 0,
                         "concurrent": c,
-                        **asdict(result),
+                        **result.summary(),
                     }
                 )
             del engine

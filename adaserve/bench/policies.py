@@ -79,6 +79,19 @@ class Result:
     def slo_attained(self) -> float:
         return self.slo_met / max(1, self.with_slo)
 
+    def summary(self) -> dict[str, float]:
+        """The table's figures: tokens/s, accepted tokens per request per iteration, ms per
+        decode iteration (total, draft, select, verify), the fraction of SLOs met."""
+        return {
+            "tokens_per_s": self.tokens_per_s,
+            "accepted_per_iter": self.accepted_per_iter,
+            "iter_ms": self.per_iter_ms(self.total_s),
+            "draft_ms": self.per_iter_ms(self.draft_s),
+            "select_ms": self.per_iter_ms(self.select_s),
+            "verify_ms": self.per_iter_ms(self.verify_s),
+            "slo_attained": self.slo_attained,
+        }
+
 
 class Pass:
     """One engine serving one batch of prompts, all submitted at once, a step at a time; its
