@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool, own_clock, turns
+from adaserve.bench.passes import SCENARIOS, EnginePool, add_totals, own_clock, turns
 from adaserve.bench.trace import load_trace
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -59,13 +59,7 @@ class Result:
     draft_s: float
 
     def add(self, other: Result) -> None:
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-        self.decode_tokens += other.decode_tokens
-        self.decode_s += other.decode_s
-        self.decode_iterations += other.decode_iterations
-        self.accepted += other.accepted
-        self.draft_s += other.draft_s
+        add_totals(self, other)
 
     @property
     def tokens_per_s(self) -> float:

@@ -13,12 +13,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from adaserve import LLMEngine, SamplingParams
 
 SCENARIOS = ("new", "repeated")
 # Warm-up text: first forwards allocate and pick kernels; it shares nothing with the prompts.
 WARMUP_PROMPT = "Hello."
+
+
+def add_totals(total: Any, part: Any) -> None:
+    """Add every field of the dataclass `part` into `total` (of the same class): a
+    benchmark's per-pass figures summed over its passes."""
+    for name in total.__dataclass_fields__:
+        setattr(total, name, getattr(total, name) + getattr(part, name))
 
 
 def turns(labels: list[str], round_index: int) -> list[str]:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from adaserve import LLMEngine, SamplingParams
-from adaserve.bench.passes import SCENARIOS, EnginePool, own_clock, turns
+from adaserve.bench.passes import SCENARIOS, EnginePool, add_totals, own_clock, turns
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from adaserve.exec.torch_runner import ModelRunner
@@ -61,8 +61,7 @@ class Result:
     with_slo: int = 0
 
     def add(self, other: Result) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        add_totals(self, other)
 
     @property
     def tokens_per_s(self) -> float:
