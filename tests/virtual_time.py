@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from adaserve import LLMEngine
+from adaserve.exec.timing import NUM_SEQS, cost_point_shapes, split_tokens
 from adaserve.sim.engine import VirtualClock
 
 
@@ -15,12 +16,13 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
     scheduler sees the slow target (TPOT, deadlines, its cost model) while the test neither
     waits for it nor depends on how fast the machine running it is (a CI machine's host time
     varies run to run). The start-up cost curve is the added time too, as it would be when
-    measured on such a target; then a fresh scheduler takes over.
+    measured on such a target; then a fresh scheduler takes over. Build the engine with
+    `prepare=False` to skip timing the real curve that this one replaces.
     """
     clock = VirtualClock(host_time=False)
     engine.engine.clock = clock
     runner = engine.engine.target
-    real_forward, real_points = runner._forward, runner.cost_points
+    real_forward = runner._forward
 
     def forward(batch):
         out = real_forward(batch)
@@ -28,7 +30,10 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
         return out
 
     def cost_points(max_tokens: int) -> list[tuple[int, int, float]]:
-        return [(n, c, extra_s(n)) for n, c, _ in real_points(max_tokens)]
+        # The shapes the real curve times, each at its added time alone (host time does not
+        # count on this clock), so no forward needs to run for them.
+        counts, context = cost_point_shapes(runner, max_tokens)
+        return [(n, context * len(split_tokens(n, NUM_SEQS)), extra_s(n)) for n in counts]
 
     runner._forward = forward
     runner.cost_points = cost_points

@@ -126,13 +126,8 @@ def forward_cost_points(
     The small counts where the curve bends (on a CPU the 2nd token can cost more than the
     8th), then powers of two up to `max_tokens`; the online model refines it as it runs.
     """
-    small = [n for n in SMALL_COUNTS if n <= max_tokens]
-    counts = sorted({*small, *powers_of_two(max_tokens)})
+    counts, context = cost_point_shapes(runner, max_tokens, context)
     time_forward(runner, 1, 0, 1)  # the first forward allocates: keep it out of the numbers
-    # A small KV pool cannot hold every shape at this context: shrink the context, not the curve.
-    cache = runner.cache
-    per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
-    context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
     points = []
     with ShapeTimer(runner, context) as timer:
         for tokens in counts:
@@ -141,6 +136,19 @@ def forward_cost_points(
                 ms = statistics.median(samples)
                 points.append((tokens, context * len(split_tokens(tokens, NUM_SEQS)), ms / 1000.0))
     return points
+
+
+def cost_point_shapes(runner: Runner, max_tokens: int, context: int = 64) -> tuple[list[int], int]:
+    """The token counts `forward_cost_points` times and the context per sequence it times them
+    over: the small counts where a CPU's curve bends, then powers of two up to `max_tokens`,
+    over `context` cut down until the KV pool holds every shape (shrink the context, not the
+    curve)."""
+    small = [n for n in SMALL_COUNTS if n <= max_tokens]
+    counts = sorted({*small, *powers_of_two(max_tokens)})
+    cache = runner.cache
+    per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
+    context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
+    return counts, context
 
 
 def baseline_latency_ms(runner: Runner, steps: int) -> float:

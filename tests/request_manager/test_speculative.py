@@ -25,8 +25,10 @@ def make_engine(
     num_blocks: int = 128,
     drafter: str = "auto",
     backend: str = "auto",
+    prepare: bool = True,
     **sched,
 ) -> LLMEngine:
+    """`prepare=False` for an engine that `slow_forwards` prepares on its own clock."""
     return LLMEngine(
         ModelConfig(
             model=str(target),
@@ -36,6 +38,7 @@ def make_engine(
         ),
         CacheConfig(block_size=4, num_blocks=num_blocks),
         SchedulerConfig(policy=policy, **sched),
+        prepare=prepare,
     )
 
 
@@ -124,7 +127,15 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
         # the machine running the tests is: under a full suite it could rightly switch the
         # tree off, and the check below would prove nothing about adaserve's tree path.
         engine = slow_forwards(
-            make_engine(default_model_dir, None, policy, 256, drafter="suffix", backend="torch"),
+            make_engine(
+                default_model_dir,
+                None,
+                policy,
+                256,
+                drafter="suffix",
+                backend="torch",
+                prepare=False,
+            ),
             memory_bound,
         )
         got, stats = run(engine, prompts, params)
