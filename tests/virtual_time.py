@@ -37,6 +37,8 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
 
     runner._forward = forward
     runner.cost_points = cost_points
+    # A forward's added time depends on its size alone: a tree's nodes cost what the curve's do.
+    runner.tree_pair_cost = lambda: 0.0
     cfg = engine.sched_cfg
     engine.apply_profile(cfg.budget, cfg.t_spec_init_s)
     return engine

@@ -36,7 +36,7 @@ from adaserve.exec.batch import ForwardBatch
 from adaserve.exec.kv_cache import BlockAllocator, NoFreeBlocksError
 from adaserve.exec.loader import load_args
 from adaserve.exec.model.llama import LlamaArgs
-from adaserve.exec.timing import forward_cost_points
+from adaserve.exec.timing import forward_cost_points, tree_pair_cost
 
 # llama.cpp's flash attention on the CPU skips masked cells and tiles: with many requests in
 # one shared cache every query row would otherwise pay for every request's cells.
@@ -548,6 +548,10 @@ class GgmlRunner:
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
         """This backend's own cost curve (tokens, context, seconds) to seed the cost model."""
         return forward_cost_points(self, max_tokens)
+
+    def tree_pair_cost(self) -> float | None:
+        """Seconds per tree pair beyond the cost curve, measured (`timing.tree_pair_cost`)."""
+        return tree_pair_cost(self)
 
     def close(self) -> None:
         self.llama.close()

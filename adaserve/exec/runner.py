@@ -62,6 +62,11 @@ class Runner(Protocol):
         """A quick measured cost curve (tokens, context, seconds) that seeds a cost model."""
         ...
 
+    def tree_pair_cost(self) -> float | None:
+        """Measured seconds per tree pair beyond the cost curve (`exec/timing.py`
+        `tree_pair_cost`); None when it could not be measured."""
+        ...
+
 
 class PlanToRun(Protocol):
     """What the engine reads of an iteration plan (request_manager/plan.py builds it)."""

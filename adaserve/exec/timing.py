@@ -20,6 +20,8 @@ NUM_SEQS = 8
 BASELINE_BATCH, BASELINE_INPUT = 8, 32
 # Token counts where a CPU's cost curve bends (the 2nd token can cost more than the 8th).
 SMALL_COUNTS = (1, 2, 3, 4, 6, 8, 12)
+# The verification tree whose keys `tree_pair_cost` prices: this many tokens on one sequence.
+TREE_TOKENS = 12
 
 
 def _sync(device: torch.device) -> None:
@@ -71,12 +73,12 @@ class ShapeTimer:
             self.runner.cache.release(table)
         self.tables = []
 
-    def samples(self, tokens: int, repeats: int) -> list[float] | None:
-        """Every timed run (ms) of a forward of `tokens` new tokens over up to NUM_SEQS
-        sequences (after one untimed run that warms the shape up); None when the KV pool
-        cannot hold the shape."""
+    def samples(self, tokens: int, repeats: int, num_seqs: int = NUM_SEQS) -> list[float] | None:
+        """Every timed run (ms) of a forward of `tokens` new tokens over up to `num_seqs`
+        sequences, each token with its logits (after one untimed run that warms the shape
+        up); None when the KV pool cannot hold the shape."""
         runner, cache, context = self.runner, self.runner.cache, self.context
-        lens = split_tokens(tokens, NUM_SEQS)
+        lens = split_tokens(tokens, num_seqs)
         fresh: list[list[int]] = [[] for _ in range(len(lens) - len(self.tables))]
         need = sum(
             cache.blocks_needed(table, context + q)
@@ -149,6 +151,44 @@ def cost_point_shapes(runner: Runner, max_tokens: int, context: int = 64) -> tup
     per_seq = cache.allocator.num_free // NUM_SEQS * cache.block_size
     context = max(0, min(context, per_seq - -(-max_tokens // NUM_SEQS) - cache.block_size))
     return counts, context
+
+
+def tree_pairs_of(lens: list[int], context: int) -> int:
+    """The tree pairs (`ForwardBatch.cost_terms`) of sequences of `lens` tokens, each with its
+    logits, over `context` cached tokens each: every token after its sequence's first, at
+    position context + j, attends context + j + 1 keys."""
+    return sum(context + j + 1 for q in lens for j in range(1, q))
+
+
+def tree_pair_cost(
+    runner: Runner, tokens: int = TREE_TOKENS, context: int = 64, repeats: int = 2
+) -> float | None:
+    """Seconds per tree pair (the cost model's h): what a verification tree's nodes pay to
+    attend their request's context, beyond the cost curve's forwards of as many tokens.
+
+    The cost curve spreads its `tokens` over NUM_SEQS sequences of `context` each, so its
+    tokens attend short contexts; a tree puts them all on one request and every node attends
+    the whole of it. Both shapes are timed (alternating, the median of each) with the same
+    total context, so the cost model prices them alike but for the tree pairs: the
+    difference over the difference in tree pairs is h. On llama.cpp on 2 cores a 12-token
+    tree 512 tokens into one sequence took 47 ms where the curve's 12 tokens over 8 x 64
+    took 35 ms, and with no h the cost model priced a 12- or 16-token tree at 0.67x of its
+    time. None when the KV pool cannot hold the shapes."""
+    spread = split_tokens(tokens, NUM_SEQS)
+    total = context * len(spread)
+    extra = tree_pairs_of([tokens], total) - tree_pairs_of(spread, context)
+    if extra <= 0:
+        return None
+    times: tuple[list[float], list[float]] = ([], [])
+    with ShapeTimer(runner, context) as curve, ShapeTimer(runner, total) as tree:
+        for _ in range(repeats):
+            for timer, num_seqs, out in ((curve, NUM_SEQS, times[0]), (tree, 1, times[1])):
+                samples = timer.samples(tokens, 1, num_seqs)
+                if samples is None:
+                    return None
+                out.extend(samples)
+    gap_s = (statistics.median(times[1]) - statistics.median(times[0])) / 1000.0
+    return max(gap_s / extra, 0.0)
 
 
 def baseline_latency_ms(runner: Runner, steps: int) -> float:

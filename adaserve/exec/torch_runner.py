@@ -18,7 +18,7 @@ from adaserve.exec.batch import ForwardBatch
 from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.eagle import EagleHead
 from adaserve.exec.model.llama import LlamaArgs, LlamaForCausalLM
-from adaserve.exec.timing import forward_cost_points
+from adaserve.exec.timing import forward_cost_points, tree_pair_cost
 
 if TYPE_CHECKING:  # cuda_graph.py imports this module's types the same way
     from adaserve.exec.cuda_graph import ForwardGraphRunner
@@ -99,6 +99,10 @@ class ModelRunner:
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]:
         """A quick measured cost curve (tokens, context, seconds) that seeds a cost model."""
         return forward_cost_points(self, max_tokens)
+
+    def tree_pair_cost(self) -> float | None:
+        """Seconds per tree pair beyond the cost curve, measured (`timing.tree_pair_cost`)."""
+        return tree_pair_cost(self)
 
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.covers(batch):

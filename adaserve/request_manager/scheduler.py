@@ -89,7 +89,7 @@ class Scheduler:
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
             if measure:
-                cost_model.seed(engine.target.cost_points(max(cfg.budget, 64)))
+                cost_model.seed_measured(engine.target, max(cfg.budget, 64), cfg.speculative)
         self.cost = cost_model
         self.admission = Admission(
             cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting), self.clock

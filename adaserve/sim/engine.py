@@ -27,7 +27,7 @@ from adaserve.exec.kv_cache import KVCache
 from adaserve.exec.model.llama import LlamaArgs
 from adaserve.exec.prefix_cache import PrefixCache
 from adaserve.exec.runner import ForwardOutput, PlanToRun, run_plan
-from adaserve.exec.timing import NUM_SEQS
+from adaserve.exec.timing import NUM_SEQS, TREE_TOKENS, split_tokens, tree_pairs_of
 from adaserve.sim.cost import CostModel, ForwardNoise
 
 # Token ids of the simulated target: small, so logits rows are cheap.
@@ -171,6 +171,19 @@ class SimRunner:
             seqs = min(n, NUM_SEQS)
             points.append((n, 64 * seqs, self.cost.curve(n, 64, NUM_SEQS)))
         return points
+
+    def tree_pair_cost(self) -> float | None:
+        """What `timing.tree_pair_cost` would measure on this cost model: the curve's tokens
+        spread over NUM_SEQS sequences of 64 against the same tokens on one sequence."""
+        spread = split_tokens(TREE_TOKENS, NUM_SEQS)
+        total = 64 * len(spread)
+        shapes = []
+        for lens, context in ((spread, 64), ([TREE_TOKENS], total)):
+            pairs = sum(context + j + 1 for q in lens for j in range(q))
+            tree = tree_pairs_of(lens, context)
+            shapes.append((self.cost.seconds(TREE_TOKENS, total, pairs, tree_pairs=tree), tree))
+        (curve_s, curve_t), (tree_s, tree_t) = shapes
+        return max((tree_s - curve_s) / (tree_t - curve_t), 0.0)
 
 
 def _powers(limit: int) -> set[int]:

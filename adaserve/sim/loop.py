@@ -127,7 +127,7 @@ def _replica(setup: SimSetup, rng: random.Random, num_blocks: int) -> _Replica:
     cost = setup.cost.target.scheduler_model(cfg.cost_forget)
     if cost is None:
         cost = ForwardCostModel(forget=cfg.cost_forget)
-        cost.seed(engine.target.cost_points(max(cfg.budget, 64)))
+        cost.seed_measured(engine.target, max(cfg.budget, 64), cfg.speculative)
     sched = Scheduler(cfg, engine, drafter, cost)
     return _Replica(clock, engine, sched, getattr(drafter, "name", "none"))
 

@@ -16,7 +16,15 @@ from adaserve.config import CacheConfig, ModelConfig
 from adaserve.exec.batch import ForwardBatch
 from adaserve.exec.engine import ExecutionEngine
 from adaserve.exec.ggml import ggml_available
-from adaserve.exec.timing import NUM_SEQS, ShapeTimer, forward_cost_points, split_tokens
+from adaserve.exec.timing import (
+    NUM_SEQS,
+    TREE_TOKENS,
+    ShapeTimer,
+    forward_cost_points,
+    split_tokens,
+    tree_pair_cost,
+    tree_pairs_of,
+)
 
 
 def record_forwards(runner, monkeypatch) -> list[tuple[ForwardBatch, list[int]]]:
@@ -86,6 +94,59 @@ def test_ggml_computes_each_sequences_context_once_and_times_over_it(monkeypatch
             assert held == [32] * len(batch.query_lens), (
                 "a timed forward saw other than its context"
             )
+    finally:
+        assert runner.cache.allocator.num_used == 0 and runner.cache.num_free_ids == ids
+        runner.close()
+
+
+def test_tree_pairs_are_priced_from_a_tree_on_one_sequence_against_the_curves_shape(
+    tiny_llama: Path, monkeypatch
+):
+    """What `tree_pair_cost` times: the curve's 12 tokens over 8 sequences of 64 and the same
+    12 tokens on one sequence of 512, alternating; the tree pairs it divides by are those the
+    cost model is given for such forwards (`ForwardBatch.cost_terms`)."""
+    engine = ExecutionEngine(
+        ModelConfig(model=str(tiny_llama)),
+        CacheConfig(block_size=16, num_blocks=128),
+        need_draft=False,
+    )
+    runner = engine.target
+    seen = record_forwards(runner, monkeypatch)
+    h = tree_pair_cost(runner)
+    assert h is not None and h >= 0
+    assert runner.cache.allocator.num_used == 0, "timing leaked KV blocks"
+    shapes = [(tuple(b.query_lens), tuple(held)) for b, held in seen]
+    curve = (tuple(split_tokens(TREE_TOKENS, NUM_SEQS)), (64,) * NUM_SEQS)
+    tree = ((TREE_TOKENS,), (NUM_SEQS * 64,))
+    assert shapes == [curve, curve, tree, tree] * 2, "alternating: warm-up and timed run each"
+    for batch, held in seen:
+        assert batch.cost_terms()[2] == tree_pairs_of(batch.query_lens, held[0])
+    # Both shapes attend the same total context, so the cost model's curve prices them alike
+    # but for their tree pairs.
+    assert sum(curve[1]) == sum(tree[1])
+    # A pool that cannot hold the tree's sequence: nothing to measure, nothing leaked.
+    small = ExecutionEngine(
+        ModelConfig(model=str(tiny_llama)),
+        CacheConfig(block_size=16, num_blocks=20),
+        need_draft=False,
+    )
+    assert tree_pair_cost(small.target) is None
+    assert small.target.cache.allocator.num_used == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ggml_available(), reason="the ggml backend needs the `cpu` extra")
+def test_a_tree_on_llama_cpp_costs_more_than_the_curves_tokens_and_leaks_no_sequence():
+    """On llama.cpp a tree's nodes attend their request's whole context (0.3-1.5 us a pair on
+    this 2-core machine): the measured h is positive, and every cell and id goes back."""
+    from adaserve.exec.default_model import default_gguf_file, default_model_dir
+    from adaserve.exec.ggml import GgmlRunner
+
+    runner = GgmlRunner(default_gguf_file(), default_model_dir(), 2048, 16, 512)
+    try:
+        ids = runner.cache.num_free_ids
+        h = runner.tree_pair_cost()
+        assert h is not None and h > 0, h
     finally:
         assert runner.cache.allocator.num_used == 0 and runner.cache.num_free_ids == ids
         runner.close()

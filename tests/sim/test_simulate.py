@@ -268,6 +268,33 @@ def test_the_simulated_scheduler_starts_from_the_profiles_cost_model(tmp_path: P
     assert load_cost("roofline:llama-2-7b@a100-80g").target.scheduler_model(0.98) is None
 
 
+class TreeCost(LinearCost):
+    """LinearCost plus a price per tree pair: what a verified tree's nodes pay to attend."""
+
+    name = "linear+tree"
+    tree_pair_s = 3e-6
+
+    def seconds(self, tokens, context, pairs, silent=0, silent_pairs=0, tree_pairs=0) -> float:
+        return super().seconds(tokens, context, pairs) + self.tree_pair_s * tree_pairs
+
+
+def test_a_simulated_server_measures_what_a_tree_pair_costs_when_it_speculates() -> None:
+    # As a real server does at start-up (`timing.tree_pair_cost`): a tree on one sequence
+    # against the cost curve's shape of as many tokens; the difference is h's prior.
+    g = {1: 0.010, 4: 0.012, 16: 0.020}
+    model = ForwardCostModel.from_coefficients(g, 1e-5, tree_pair_s=2e-6)
+    runner = SimRunner(ProfileCost(model, "p"), 64, 4, VirtualClock())
+    assert runner.tree_pair_cost() == pytest.approx(2e-6)
+    for policy, h in (("adaserve", TreeCost.tree_pair_s), ("incremental", 0.0)):
+        seen: list[float] = []
+
+        def first_h(sched, seen=seen) -> None:
+            seen or seen.append(sched.cost.coefficients()["tree_pair_s"])
+
+        simulate(bench_requests(2, 0.05), setup(policy, TreeCost()), on_step=first_h)
+        assert seen[0] == pytest.approx(h), f"{policy}: h {seen[0]}, measured {h}"
+
+
 def test_a_prompt_chunk_costs_what_the_profile_says_silent_rows_cost() -> None:
     # Rows without logits (prompt chunks, padding) cost b less each, as on the real server.
     from adaserve.exec.batch import SequenceBatchBuilder

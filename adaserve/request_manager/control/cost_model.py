@@ -76,7 +76,7 @@ import json
 import math
 from collections import deque
 from collections.abc import Iterable, Mapping
-from typing import Any, TypedDict
+from typing import Any, Protocol, TypedDict
 
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
@@ -87,6 +87,14 @@ _PAIR_RIDGE = 0.01  # pseudo-weight pulling e (and h) to its prior: one sample 6
 _MAX_SILENT_SAVING = 0.5  # silent rows take at most this share off a forward's time
 _ONE, _X, _Z, _U, _T, _Y = range(6)  # the sample vector v's entries
 _SHARED = (_Z, _U, _T)  # the entries whose coefficients (-b, e, h) every bucket shares
+
+
+class MeasuredRunner(Protocol):
+    """What seeding from start-up measurements reads of a runner (`exec/runner.py`)."""
+
+    def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]: ...
+
+    def tree_pair_cost(self) -> float | None: ...
 
 
 class CostCoefficients(TypedDict):
@@ -223,6 +231,26 @@ class ForwardCostModel:
         for tokens, context, seconds in points:
             _check(tokens, context)
             self._add_at(bucket_of(tokens), context, 0, 0, 0, float(seconds), weight, decay=1.0)
+
+    def set_tree_pair_prior(self, seconds_per_pair: float) -> None:
+        """h's prior (seconds per tree pair, measured at start-up: `timing.tree_pair_cost`),
+        which holds until the forwards observed say otherwise. Seeds from the cost curve
+        carry no tree pairs, so without it a tree deep in a context is priced as if its
+        nodes attended the short contexts of the curve's forwards."""
+        if not seconds_per_pair >= 0:
+            raise ValueError(f"seconds per tree pair must be >= 0, got {seconds_per_pair}")
+        self._tree_prior = float(seconds_per_pair) * _PAIR_SCALE
+        self._shared_fit = None
+        self._dirty = True
+
+    def seed_measured(self, runner: MeasuredRunner, max_tokens: int, trees: bool) -> None:
+        """Seed from a runner's start-up measurements: its cost curve up to `max_tokens` and,
+        for a server that verifies `trees`, what a tree pair costs (h's prior) when it could
+        be measured (on llama.cpp here ~2 s of start-up: incremental decoding skips it)."""
+        self.seed(runner.cost_points(max_tokens))
+        h = runner.tree_pair_cost() if trees else None
+        if h is not None:
+            self.set_tree_pair_prior(h)
 
     def observe(
         self,

@@ -106,6 +106,9 @@ class Profile:
     # Who ran the target ("torch" or "ggml"): a simulation of this machine follows what the
     # backend does (ggml: no padded forwards, no prefix caching).
     backend: str = "torch"
+    # Seconds per tree pair beyond the curve (`timing.tree_pair_cost`): the cost model's h
+    # before any tree is verified. None: measured by a version that did not measure it.
+    tree_pair_s: float | None = None
     created_at: str = field(default_factory=lambda: _now())
 
     def target_ms(self, tokens: float, context: int | None = None) -> float:
@@ -166,6 +169,8 @@ class Profile:
             )
         model = ForwardCostModel(forget=forget)
         model.seed(self.cost_points())
+        if self.tree_pair_s is not None:
+            model.set_tree_pair_prior(self.tree_pair_s)
         return model
 
     def to_json(self) -> dict:
@@ -296,6 +301,7 @@ def profile_engine(
                             spread = max(spread, (max(samples) - min(samples)) / ms)
                     bar.update()
         baseline = baseline_latency_ms(engine.target, plan.baseline_steps)
+        tree_pair_s = engine.target.tree_pair_cost()
         bar.update()
     finally:
         bar.close()
@@ -305,6 +311,8 @@ def profile_engine(
         (p.tokens, p.context * len(split_tokens(p.tokens, NUM_SEQS)), p.ms / 1000.0)
         for p in points["target"]
     )
+    if tree_pair_s is not None:
+        cost.set_tree_pair_prior(tree_pair_s)
     cost_json = json.loads(cost.to_json())
     device = engine.target.device
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -322,6 +330,7 @@ def profile_engine(
         max_spread=spread,
         cost_model=cost_json,
         backend=getattr(engine, "backend", "torch"),
+        tree_pair_s=tree_pair_s,
     )
 
 
@@ -366,7 +375,8 @@ def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile |
     if path.exists():
         try:
             cached = Profile.load(path)
-            if cached.noise_reason() is None:
+            # One cached before the tree pairs were measured is measured again.
+            if cached.noise_reason() is None and cached.tree_pair_s is not None:
                 # The points are the measurement; B is derived, by this version's rule.
                 ctx = cached.budget_context
                 at_ctx = {p.tokens: p.ms for p in cached.target if p.context == ctx}

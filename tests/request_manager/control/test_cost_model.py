@@ -298,6 +298,33 @@ def test_tree_pairs_and_prompt_pairs_are_priced_apart():
     ), "h lost in the JSON round trip"
 
 
+def test_a_measured_tree_pair_price_prices_deep_trees_before_any_is_verified():
+    """The start-up curve's tokens attend short contexts: seeded from it alone, a 12-node tree
+    700 tokens into one request was priced as 12 of the curve's tokens (0.67x of its time on
+    llama.cpp). With h's measured prior it is priced with its pairs from the first iteration,
+    and observed trees that cost otherwise still move h."""
+    curve = [(n, 64 * min(n, 8), 0.005 + 0.0025 * n) for n in (1, 2, 4, 8, 12, 16)]
+    model = ForwardCostModel()
+    model.seed(curve)
+    deep = sum(700 + d + 1 for d in range(1, 12))  # the nodes past the root
+    blind = model.predict(12, 700, 0, 0, deep)
+    model.set_tree_pair_prior(1.5e-6)
+    assert model.predict(12, 700, 0, 0, deep) == pytest.approx(blind + 1.5e-6 * deep)
+    assert model.predict(12, 700) == pytest.approx(blind), "no tree pairs, no change"
+    with pytest.raises(ValueError, match="tree pair must be >= 0"):
+        model.set_tree_pair_prior(-1e-6)
+    # Trees that cost 3 us a pair, over contexts and sizes that tell pairs from context.
+    rng = random.Random(3)
+    for _ in range(600):
+        k, p = rng.randint(1, 11), rng.randint(100, 1500)
+        tree = sum(p + d + 1 for d in range(1, k + 1))
+        model.observe(1 + k, p, 0.005 + 0.0025 * (1 + k) + 1e-6 * p + 3e-6 * tree, 0, 0, tree)
+        n = rng.randint(1, 8)
+        context = n * rng.randint(100, 1500)
+        model.observe(n, context, 0.005 + 0.0025 * n + 1e-6 * context)
+    assert model.coefficients()["tree_pair_s"] == pytest.approx(3e-6, rel=0.15)
+
+
 def test_silent_tokens_never_take_more_than_half_a_forward():
     # Few mixed forwards can fit a b too steep for a big chunk: it stays a real cost.
     model = ForwardCostModel.from_coefficients({1: 0.01, 256: 0.05}, 0.0, silent_row_s=0.001)

@@ -57,7 +57,9 @@ def synthetic_profile() -> Profile:
     target = tuple(LatencyPoint(t, 256, 10.0 + t) for t in (1, 2, 4, 8))
     target += tuple(LatencyPoint(t, 1024, 20.0 + t) for t in (1, 2, 4, 8))
     draft = tuple(LatencyPoint(t, 256, 1.0 + 0.5 * t) for t in (1, 2, 4, 8))
-    return Profile("cpu", "m", "d", target, draft, 5, 1.5, 256, 12.5, draft_steps=2)
+    return Profile(
+        "cpu", "m", "d", target, draft, 5, 1.5, 256, 12.5, draft_steps=2, tree_pair_s=1e-6
+    )
 
 
 def test_t_spec_interpolates_target_and_draft() -> None:
@@ -103,6 +105,11 @@ def test_profile_of_a_tiny_engine(tiny_llama: Path) -> None:
     measured = {p.tokens: p.ms for p in prof.target if p.context == prof.budget_context}
     assert prof.budget == derive_budget(measured, prof.budget_factor)
     assert prof.baseline_latency_ms > 0
+    # What a tree's nodes pay to attend a long context is measured and is h's prior in the
+    # stored cost model (no tree was observed to move it).
+    assert prof.tree_pair_s is not None and prof.tree_pair_s >= 0
+    assert prof.cost_model is not None
+    assert prof.cost_model["tree_pair_s"] == pytest.approx(prof.tree_pair_s)
     for runner in (engine.target, engine.draft):
         assert runner is not None and runner.cache.allocator.num_used == 0, "profiling leaked KV"
 
@@ -147,6 +154,11 @@ def test_noisy_start_up_profiles_are_neither_used_nor_cached(tiny_llama, monkeyp
     # synthetic profile stores B = 5; its points, 11-18 ms, give 4 + 2.5 * 4 / 4 = 6).
     monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: pytest.fail("re-measured"))
     assert profile_mod.startup_profile(engine, progress=False).budget == 6
+    # One cached by a version that did not measure tree pairs is measured again.
+    older = Profile(**{**quiet.__dict__, "tree_pair_s": None})
+    older.save(path)
+    monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: quiet)
+    assert profile_mod.startup_profile(engine, progress=False).tree_pair_s == 1e-6
     # A server that ran stores its refined cost model in that cached profile.
     model = quiet.forward_cost_model()
     model.observe(1, 0, 0.012)
