@@ -35,6 +35,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -226,6 +227,18 @@ def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
     (throughput dashed), TTFT p50 (p99 dashed), TPOT p50 (p90 dashed)."""
     from adaserve.bench.plot import pyplot
 
+    fig = compare_figure(results)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    pyplot().close(fig)
+    return out
+
+
+def compare_figure(results: Sequence[dict]) -> Any:
+    """The figure `plot_compare` saves."""
+    from adaserve.bench.plot import pyplot
+
     plt = pyplot()
 
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
@@ -238,7 +251,7 @@ def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
     for system in [s for s in SYSTEMS if any(r["system"] == s for r in results)]:
         points = sorted((r["rps"], r) for r in results if r["system"] == system)
         xs = [x for x, _ in points]
-        for ax, (label, solid, dashed, scale) in zip(axes.flat, panels):
+        for ax, (_, solid, dashed, scale) in zip(axes.flat, panels):
             line = ax.plot(xs, [scale * (r.get(solid) or 0.0) for _, r in points], marker="o")
             ax.plot(
                 xs,
@@ -247,15 +260,14 @@ def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
                 color=line[0].get_color(),
             )
             line[0].set_label(system)
-            ax.set(xlabel="requests per second", ylabel=label)
-            ax.grid(True, alpha=0.3)
-            ax.set_ylim(bottom=0)
+    for ax, (label, *_) in zip(axes.flat, panels):
+        # Only after every system is drawn: a limit set earlier stops autoscaling, and the
+        # systems drawn later (llama-server's 300 ms TPOT) fell off the top of the panel.
+        ax.set(xlabel="requests per second", ylabel=label)
+        ax.grid(True, alpha=0.3)
+        ax.set_ylim(bottom=0)
     axes.flat[0].legend(fontsize="small")
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return out
+    return fig
 
 
 def run(args: argparse.Namespace) -> int:

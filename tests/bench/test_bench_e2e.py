@@ -168,6 +168,36 @@ def test_llama_server_runs_the_same_gguf_with_its_slots_and_ngram_flags() -> Non
     assert "m.gguf" in ada and ada[ada.index("--policy") + 1] == "incremental"
 
 
+def test_the_comparison_plot_shows_every_system_inside_every_panel() -> None:
+    from adaserve.bench.compare import compare_figure
+    from adaserve.bench.plot import pyplot
+
+    def point(system: str, rps: float, tpot: float, ttft: float, tok_s: float) -> dict:
+        return {
+            "system": system, "rps": rps, "slo_attainment": 0.5, "tpot_slo_attainment": 0.6,
+            "goodput_tok_s": tok_s / 2, "throughput_tok_s": tok_s, "ttft_ms_p50": ttft,
+            "ttft_ms_p99": 3 * ttft, "tpot_ms_p50": tpot, "tpot_ms_p90": 2 * tpot,
+        }  # fmt: skip
+
+    # adaserve is drawn first and is the smaller on every panel but attainment: the panels
+    # must still reach llama-server's 300 ms TPOT and 22 s TTFT.
+    results = [
+        point("adaserve", 0.5, 53.0, 1_000.0, 14.0),
+        point("adaserve", 1.0, 54.0, 1_000.0, 18.0),
+        point("llama-server", 0.5, 300.0, 9_700.0, 26.0),
+        point("llama-server", 1.0, 290.0, 22_000.0, 31.0),
+    ]
+    fig = compare_figure(results)
+    try:
+        tops = [ax.get_ylim()[1] for ax in fig.axes[:4]]
+    finally:
+        pyplot().close(fig)
+    assert tops[0] >= 60.0  # TPOT-only attainment, %
+    assert tops[1] >= 31.0  # llama-server's throughput
+    assert tops[2] >= 66.0  # its TTFT p99, s
+    assert tops[3] >= 600.0  # its TPOT p90, ms
+
+
 def command_args(argv: list[str]):
     import argparse
 
