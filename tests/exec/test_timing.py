@@ -27,6 +27,15 @@ from adaserve.exec.timing import (
 )
 
 
+def tiny_target_engine(tiny_llama: Path, num_blocks: int) -> ExecutionEngine:
+    """The tiny model as a target alone, in a KV pool of `num_blocks` blocks of 16."""
+    return ExecutionEngine(
+        ModelConfig(model=str(tiny_llama)),
+        CacheConfig(block_size=16, num_blocks=num_blocks),
+        need_draft=False,
+    )
+
+
 def record_forwards(runner, monkeypatch) -> list[tuple[ForwardBatch, list[int]]]:
     """Every forward the runner makes, with the KV each of its sequences held before it
     (ggml: the cells llama.cpp holds; torch: the KV length the batch names minus its tokens)."""
@@ -49,11 +58,7 @@ def record_forwards(runner, monkeypatch) -> list[tuple[ForwardBatch, list[int]]]
 
 
 def test_shapes_are_timed_over_their_context_and_release_every_block(tiny_llama: Path, monkeypatch):
-    engine = ExecutionEngine(
-        ModelConfig(model=str(tiny_llama)),
-        CacheConfig(block_size=16, num_blocks=64),
-        need_draft=False,
-    )
+    engine = tiny_target_engine(tiny_llama, num_blocks=64)
     runner = engine.target
     seen = record_forwards(runner, monkeypatch)
     with ShapeTimer(runner, 40) as timer:
@@ -105,11 +110,7 @@ def test_tree_pairs_are_priced_from_a_tree_on_one_sequence_against_the_curves_sh
     """What `tree_pair_cost` times: the curve's 12 tokens over 8 sequences of 64 and the same
     12 tokens on one sequence of 512, alternating; the tree pairs it divides by are those the
     cost model is given for such forwards (`ForwardBatch.cost_terms`)."""
-    engine = ExecutionEngine(
-        ModelConfig(model=str(tiny_llama)),
-        CacheConfig(block_size=16, num_blocks=128),
-        need_draft=False,
-    )
+    engine = tiny_target_engine(tiny_llama, num_blocks=128)
     runner = engine.target
     seen = record_forwards(runner, monkeypatch)
     h = tree_pair_cost(runner)
@@ -125,11 +126,7 @@ def test_tree_pairs_are_priced_from_a_tree_on_one_sequence_against_the_curves_sh
     # but for their tree pairs.
     assert sum(curve[1]) == sum(tree[1])
     # A pool that cannot hold the tree's sequence: nothing to measure, nothing leaked.
-    small = ExecutionEngine(
-        ModelConfig(model=str(tiny_llama)),
-        CacheConfig(block_size=16, num_blocks=20),
-        need_draft=False,
-    )
+    small = tiny_target_engine(tiny_llama, num_blocks=20)
     assert tree_pair_cost(small.target) is None
     assert small.target.cache.allocator.num_used == 0
 
