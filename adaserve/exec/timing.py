@@ -22,6 +22,9 @@ BASELINE_BATCH, BASELINE_INPUT = 8, 32
 SMALL_COUNTS = (1, 2, 3, 4, 6, 8, 12)
 # The verification tree whose keys `tree_pair_cost` prices: this many tokens on one sequence.
 TREE_TOKENS = 12
+# `tree_pair_cost` times each shape this often (in alternating rounds of two runs), and its
+# tree counts as slower than the curve's shape at this rank statistic or below (`slower_by`).
+TREE_RUNS, MAX_TIES_U = 6, 5
 
 
 def _sync(device: torch.device) -> None:
@@ -160,20 +163,20 @@ def tree_pairs_of(lens: list[int], context: int) -> int:
     return sum(context + j + 1 for q in lens for j in range(1, q))
 
 
-def tree_pair_cost(
-    runner: Runner, tokens: int = TREE_TOKENS, context: int = 64, repeats: int = 2
-) -> float | None:
+def tree_pair_cost(runner: Runner, tokens: int = TREE_TOKENS, context: int = 64) -> float | None:
     """Seconds per tree pair (the cost model's h): what a verification tree's nodes pay to
     attend their request's context, beyond the cost curve's forwards of as many tokens.
 
     The cost curve spreads its `tokens` over NUM_SEQS sequences of `context` each, so its
     tokens attend short contexts; a tree puts them all on one request and every node attends
-    the whole of it. Both shapes are timed (alternating, the median of each) with the same
-    total context, so the cost model prices them alike but for the tree pairs: the
-    difference over the difference in tree pairs is h. On llama.cpp on 2 cores a 12-token
-    tree 512 tokens into one sequence took 47 ms where the curve's 12 tokens over 8 x 64
-    took 35 ms, and with no h the cost model priced a 12- or 16-token tree at 0.67x of its
-    time. None when the KV pool cannot hold the shapes."""
+    the whole of it. Both shapes are timed TREE_RUNS times (alternating rounds of two runs) with
+    the same total context, so the cost model prices them alike but for the tree pairs: the
+    difference (`slower_by`) over the difference in tree pairs is h. On llama.cpp on 2 cores a
+    12-token tree 512 tokens into one sequence took 47 ms where the curve's 12 tokens over
+    8 x 64 took 35 ms, and with no h the cost model priced a 12- or 16-token tree at 0.67x of
+    its time. 0.0 when the tree is not clearly slower: on torch here the difference is within
+    the runs' noise, and a noise-made price cut its trees by half. None when the KV pool
+    cannot hold the shapes."""
     spread = split_tokens(tokens, NUM_SEQS)
     total = context * len(spread)
     extra = tree_pairs_of([tokens], total) - tree_pairs_of(spread, context)
@@ -181,14 +184,29 @@ def tree_pair_cost(
         return None
     times: tuple[list[float], list[float]] = ([], [])
     with ShapeTimer(runner, context) as curve, ShapeTimer(runner, total) as tree:
-        for _ in range(repeats):
+        for _ in range(TREE_RUNS // 2):
             for timer, num_seqs, out in ((curve, NUM_SEQS, times[0]), (tree, 1, times[1])):
-                samples = timer.samples(tokens, 1, num_seqs)
+                samples = timer.samples(tokens, 2, num_seqs)
                 if samples is None:
                     return None
                 out.extend(samples)
-    gap_s = (statistics.median(times[1]) - statistics.median(times[0])) / 1000.0
-    return max(gap_s / extra, 0.0)
+    return slower_by(times[0], times[1]) / 1000.0 / extra
+
+
+def slower_by(base: list[float], other: list[float]) -> float:
+    """How much slower the runs `other` are than the runs `base`: the median of their pairwise
+    differences (Hodges-Lehmann), or 0.0 unless `other` is slower by a one-sided rank test
+    (Mann-Whitney U, the pairs where a `base` run is as slow as an `other` run, at most
+    MAX_TIES_U: for TREE_RUNS = 6 runs each, a 2% chance when both come from one
+    distribution)."""
+    if min(len(base), len(other)) < TREE_RUNS:
+        raise ValueError(
+            f"the rank test needs {TREE_RUNS} runs of each, got {len(base)}, {len(other)}"
+        )
+    diffs = [y - x for x in base for y in other]
+    if sum(d <= 0 for d in diffs) > MAX_TIES_U:
+        return 0.0
+    return max(statistics.median(diffs), 0.0)
 
 
 def baseline_latency_ms(runner: Runner, steps: int) -> float:
