@@ -155,10 +155,11 @@ def test_a_tree_is_priced_only_when_its_runs_are_clearly_slower_than_the_curves(
 
 @pytest.mark.slow
 @pytest.mark.skipif(not ggml_available(), reason="the ggml backend needs the `cpu` extra")
-def test_a_tree_on_llama_cpp_costs_more_than_the_curves_tokens_and_leaks_no_sequence():
-    """On llama.cpp a tree's nodes attend their request's whole context (1.3-1.5 us a pair
-    on one 2-core machine here, 3.7-7.9 us on a slower one): the measured h is positive, and
-    every cell and id goes back."""
+def test_a_tree_on_llama_cpp_is_priced_and_leaks_no_sequence():
+    """On llama.cpp the tree price is measured on the real library: a finite price a pair
+    (1.3-1.5 us on one 2-core machine here, 3.7-7.9 us on a slower one; 0.0 on the CI
+    machine once, where the rank test did not find the tree slower, which is why this test
+    does not ask for more than a price in range), and every cell and id goes back."""
     from adaserve.exec.default_model import default_gguf_file, default_model_dir
     from adaserve.exec.ggml import GgmlRunner
 
@@ -166,7 +167,8 @@ def test_a_tree_on_llama_cpp_costs_more_than_the_curves_tokens_and_leaks_no_sequ
     try:
         ids = runner.cache.num_free_ids
         h = runner.tree_pair_cost()
-        assert h is not None and h > 0, h
+        # 100 us a pair would be 0.6 s more for a 12-token tree at 512 tokens: not a forward.
+        assert h is not None and 0.0 <= h < 1e-4, h
     finally:
         assert runner.cache.allocator.num_used == 0 and runner.cache.num_free_ids == ids
         runner.close()
