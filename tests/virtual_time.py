@@ -37,6 +37,9 @@ def slow_forwards(engine: LLMEngine, extra_s: Callable[[int], float]) -> LLMEngi
 
     runner._forward = forward
     runner.cost_points = cost_points
+    # Measured here, on this runner's added time: not what another engine of the same model
+    # measured earlier in the process (`timing.measured_once`), and not kept for the next.
+    runner.timing_key = lambda: None
     # A forward's added time depends on its size alone: a tree's nodes cost what the curve's do.
     runner.tree_pair_cost = lambda: 0.0
     cfg = engine.sched_cfg

@@ -136,6 +136,7 @@ class LlamaCppContext:
             raise RuntimeError(f"llama.cpp could not create a context of {n_ctx} cells")
         self.n_ctx = int(lc.llama_n_ctx(self.ctx))
         self.n_batch = int(lc.llama_n_batch(self.ctx))
+        self.n_ubatch = int(lc.llama_n_ubatch(self.ctx))
         self.mem = lc.llama_get_memory(self.ctx)
         self.n_vocab = int(lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model)))
         self.n_embd = int(lc.llama_model_n_embd(self.model))
@@ -552,6 +553,21 @@ class GgmlRunner:
     def tree_pair_cost(self) -> float | None:
         """Seconds per tree pair beyond the cost curve, measured (`timing.tree_pair_cost`)."""
         return tree_pair_cost(self)
+
+    def timing_key(self) -> tuple | None:
+        """The GGUF file, threads, context size, batch sizes, weight buffers and hidden-state
+        capture: what a llama.cpp forward's time depends on."""
+        llama = self.llama
+        return (
+            "ggml",
+            str(self.gguf.resolve()),
+            llama.threads,
+            llama.n_ctx,
+            llama.n_batch,
+            llama.n_ubatch,
+            llama.extra_buffers,
+            self.capture_hidden,
+        )
 
     def close(self) -> None:
         self.llama.close()

@@ -67,6 +67,12 @@ class Runner(Protocol):
         `tree_pair_cost`); None when it could not be measured."""
         ...
 
+    def timing_key(self) -> tuple | None:
+        """What its forwards' times depend on (weights file, backend, threads, ...): a second
+        runner with the same key times like this one, so start-up measurements are taken once
+        per process (`timing.measured_once`); None: measure every time."""
+        ...
+
 
 class PlanToRun(Protocol):
     """What the engine reads of an iteration plan (request_manager/plan.py builds it)."""

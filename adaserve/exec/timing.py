@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -26,10 +28,39 @@ TREE_TOKENS = 12
 # tree counts as slower than the curve's shape at this rank statistic or below (`slower_by`).
 TREE_RUNS, MAX_TIES_U = 6, 5
 
+T = TypeVar("T")
+# Start-up measurements this process took, by (what, the runner's `timing_key`).
+_MEASURED: dict[tuple[str, tuple], Any] = {}
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class Keyed(Protocol):
+    def timing_key(self) -> tuple | None: ...
+
+
+def measured_once(runner: Keyed, what: str, measure: Callable[[], T]) -> T:
+    """`measure()`, or what it returned the first time this process measured `what` on a
+    runner with the same `timing_key` (the same model file, backend, threads, ...). An engine
+    built again in one process (a second `LLM`, a test suite's many engines, a server's
+    replacement scheduler) seeds its cost model from the first one's measurements instead of
+    timing the same forwards again: on llama.cpp on 2 cores the cost curve and tree price take
+    10-20 s of every start. A runner whose key is None is measured every time."""
+    key = runner.timing_key()
+    if key is None:
+        return measure()
+    k = (what, key)
+    if k not in _MEASURED:
+        _MEASURED[k] = measure()
+    return _MEASURED[k]
+
+
+def forget_measurements() -> None:
+    """Drop what `measured_once` kept: the next engine times its forwards again."""
+    _MEASURED.clear()
 
 
 def split_tokens(tokens: int, num_seqs: int) -> list[int]:

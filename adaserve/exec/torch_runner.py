@@ -104,6 +104,28 @@ class ModelRunner:
         """Seconds per tree pair beyond the cost curve, measured (`timing.tree_pair_cost`)."""
         return tree_pair_cost(self)
 
+    def timing_key(self) -> tuple | None:
+        """The weights file, the runner's class (an EAGLE head's forward is not a model's),
+        vocabulary, device, dtype, threads, attention backend, KV block size, CUDA graphs, LM
+        head width and hidden-state capture; None for a model built in memory (no file names
+        it)."""
+        if self.checkpoint is None:
+            return None
+        head = self.head_token_ids
+        return (
+            type(self).__name__,
+            str(Path(self.checkpoint).resolve()),
+            self.args.vocab_size,  # an EAGLE head beside a GGUF borrows its target's embedding
+            str(self.device),
+            str(next(self.model.parameters()).dtype),
+            torch.get_num_threads(),
+            type(self.backend).__name__,
+            self.cache.block_size,
+            self.graphs is not None,
+            None if head is None else len(head),
+            self.capture_hidden,
+        )
+
     def _forward(self, batch: ForwardBatch) -> torch.Tensor | None:
         if self.graphs is not None and self.graphs.covers(batch):
             return self.graphs.forward(batch)

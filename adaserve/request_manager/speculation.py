@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 
 from adaserve.config import SchedulerConfig
 from adaserve.exec.runner import Engine
+from adaserve.exec.timing import measured_once
 from adaserve.request_manager.control.controller import (
     Controller,
     NoControl,
@@ -83,7 +84,11 @@ class TreePlanner:
             if self.drafter.costly and engine.draft is not None:
                 draft_cost = ForwardCostModel(forget=cfg.cost_forget)
                 if measure:
-                    draft_cost.seed(engine.draft.cost_points(cfg.budget))
+                    draft = engine.draft
+                    curve = f"curve:{cfg.budget}"
+                    draft_cost.seed(
+                        measured_once(draft, curve, lambda: draft.cost_points(cfg.budget))
+                    )
             # A backend that runs every forward at its own size (llama.cpp) is priced at it:
             # a padded size the runner would never run must not look like the cheaper one.
             pad_limit = cfg.budget if engine.target.supports_padding else 0

@@ -172,6 +172,9 @@ class SimRunner:
             points.append((n, 64 * seqs, self.cost.curve(n, 64, NUM_SEQS)))
         return points
 
+    def timing_key(self) -> tuple | None:
+        return None  # its cost is a model's, computed: nothing to measure once
+
     def tree_pair_cost(self) -> float | None:
         """What `timing.tree_pair_cost` would measure on this cost model: the curve's tokens
         spread over NUM_SEQS sequences of 64 against the same tokens on one sequence."""

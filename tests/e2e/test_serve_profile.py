@@ -41,8 +41,10 @@ def test_serve_measures_no_cost_curve_that_its_profile_replaces(tiny_llama, tmp_
     without a profile to apply (incremental, an explicit --budget) it is, once."""
     from adaserve import SamplingParams
     from adaserve.cli import build_engine, build_parser
+    from adaserve.exec.timing import forget_measurements
     from adaserve.exec.torch_runner import ModelRunner
 
+    forget_measurements()  # what this test counts is timed in this process, not recalled
     timed: list[tuple[ModelRunner, int]] = []  # (runner, max tokens) of each cost curve
     real = ModelRunner.cost_points
     monkeypatch.setattr(
@@ -65,6 +67,7 @@ def test_serve_measures_no_cost_curve_that_its_profile_replaces(tiny_llama, tmp_
     assert steps >= 4
     for extra in (["--policy", "incremental"], ["--budget", "5"]):
         timed.clear()
+        forget_measurements()  # as a fresh process would: nothing measured yet
         engine, _ = build_engine(build_parser().parse_args([*base, *extra]))
         target = [n for runner, n in timed if runner is engine.engine.target]
         assert target == [max(engine.sched_cfg.budget, 64)], extra

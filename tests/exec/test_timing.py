@@ -12,6 +12,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 
 from adaserve.config import CacheConfig, ModelConfig
 from adaserve.exec.batch import ForwardBatch
@@ -172,3 +173,36 @@ def test_a_tree_on_llama_cpp_is_priced_and_leaks_no_sequence():
     finally:
         assert runner.cache.allocator.num_used == 0 and runner.cache.num_free_ids == ids
         runner.close()
+
+
+def test_an_engine_built_again_seeds_from_the_first_ones_measurements(
+    tiny_llama: Path, monkeypatch
+):
+    """A second LLM of the same model in one process times no forward to seed its cost model
+    (on llama.cpp on 2 cores the curve and the tree price are 10-20 s of every start): its
+    cost model prices forwards as the first one's does. Other threads time differently, so
+    a runner on them is measured again."""
+    from adaserve import LLM
+    from adaserve.exec.timing import forget_measurements
+    from adaserve.exec.torch_runner import ModelRunner
+
+    forget_measurements()
+    first = LLM(str(tiny_llama), policy="adaserve", drafter="suffix")
+    ran: list[int] = []
+    real = ModelRunner._forward
+    monkeypatch.setattr(
+        ModelRunner, "_forward", lambda self, b: ran.append(len(b.token_ids)) or real(self, b)
+    )
+    second = LLM(str(tiny_llama), policy="adaserve", drafter="suffix")
+    assert ran == [], "the second engine timed forwards the first one had measured"
+    shapes = [(1, 0), (3, 64), (12, 512), (16, 256)]
+    cost = [e.llm_engine.scheduler.cost for e in (first, second)]
+    assert [cost[0].predict(n, c) for n, c in shapes] == [cost[1].predict(n, c) for n, c in shapes]
+    assert cost[0].predict(12, 512, tree_pairs=5000) == cost[1].predict(12, 512, tree_pairs=5000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        LLM(str(tiny_llama), policy="adaserve", drafter="suffix")
+    finally:
+        torch.set_num_threads(threads)
+    assert ran, "a runner on other threads was not measured"

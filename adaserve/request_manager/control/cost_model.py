@@ -78,6 +78,8 @@ from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, TypedDict
 
+from adaserve.exec.timing import measured_once
+
 _CONTEXT_SCALE = 1024.0  # slope fitted per 1024 context tokens, so a and g have like magnitudes
 _SLOPE_RIDGE = 1.0  # pseudo-weight pulling a bucket's slope to its prior (see the docstring)
 _EXACT_BUCKETS = 32  # token counts up to this are their own bucket
@@ -95,6 +97,8 @@ class MeasuredRunner(Protocol):
     def cost_points(self, max_tokens: int) -> list[tuple[int, int, float]]: ...
 
     def tree_pair_cost(self) -> float | None: ...
+
+    def timing_key(self) -> tuple | None: ...
 
 
 class CostCoefficients(TypedDict):
@@ -247,8 +251,10 @@ class ForwardCostModel:
         """Seed from a runner's start-up measurements: its cost curve up to `max_tokens` and,
         for a server that verifies `trees`, what a tree pair costs (h's prior) when it could
         be measured (on llama.cpp here ~2 s of start-up: incremental decoding skips it)."""
-        self.seed(runner.cost_points(max_tokens))
-        h = runner.tree_pair_cost() if trees else None
+        self.seed(
+            measured_once(runner, f"curve:{max_tokens}", lambda: runner.cost_points(max_tokens))
+        )
+        h = measured_once(runner, "tree pairs", runner.tree_pair_cost) if trees else None
         if h is not None:
             self.set_tree_pair_prior(h)
 
