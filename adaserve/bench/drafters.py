@@ -1,7 +1,7 @@
 """Drafters on real text: incremental vs speculative policies per trace category, same run.
 
     python -m adaserve.bench.drafters [--trace T] [--concurrency 1 4] [--per-category 4]
-        [--categories summarization code]
+        [--categories summarization code] [--device cuda --dtype bfloat16]
 
 Prompts are the first `--per-category` x concurrency summarization, code and instruction
 requests of the shared trace, sent through the chat template, greedy, stopping at EOS or
@@ -31,7 +31,7 @@ from pathlib import Path
 from adaserve import LLMEngine, SamplingParams
 from adaserve.bench.passes import SCENARIOS, EnginePool, add_totals, own_clock, turns
 from adaserve.bench.trace import load_trace
-from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.config import DTYPES, CacheConfig, ModelConfig, SchedulerConfig
 
 DEFAULT_TRACE = (
     Path(__file__).resolve().parents[2].parent / "shared/workloads/mixed_rps3.0_ol256.json"
@@ -188,6 +188,8 @@ def main() -> None:
         help="trace categories to serve, in this order",
     )
     ap.add_argument("--backend", default="auto", choices=("auto", "torch", "ggml"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (cuda: the torch backend)")
+    ap.add_argument("--dtype", default="float32", choices=DTYPES)
     ap.add_argument(
         "--record-iterations",
         metavar="DIR",
@@ -218,7 +220,13 @@ def main() -> None:
         if args.record_iterations:
             timeline = str(Path(args.record_iterations) / f"{policy}_{drafter or 'auto'}.jsonl")
         return lambda: LLMEngine(
-            ModelConfig(model=args.model, drafter=drafter or "auto", backend=args.backend),
+            ModelConfig(
+                model=args.model,
+                drafter=drafter or "auto",
+                backend=args.backend,
+                device=args.device,
+                dtype=args.dtype,
+            ),
             CacheConfig(),
             SchedulerConfig(
                 policy=policy,
@@ -242,7 +250,8 @@ def main() -> None:
     print(
         f"budget {args.budget}, greedy, up to {args.max_tokens} tokens, "
         f"{args.per_category} x concurrency prompts per category, scenario {args.scenario}, "
-        f"backend {args.backend}, {args.rounds} rounds, {args.schedule}, "
+        f"backend {args.backend} on {args.device} ({args.dtype}), {args.rounds} rounds, "
+        f"{args.schedule}, "
         f"{args.lengths} lengths\n"
     )
     print(
