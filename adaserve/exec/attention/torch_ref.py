@@ -58,33 +58,37 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _plan_group(self, meta: AttentionMetadata, seqs: list[int], starts: list[int]) -> _Group:
         n = len(seqs)
-        max_q = max(meta.query_lens[s] for s in seqs)
-        max_kv = max(meta.kv_lens[s] for s in seqs)
+        q_lens = [meta.query_lens[s] for s in seqs]
+        kv_lens = [meta.kv_lens[s] for s in seqs]
+        max_q, max_kv = max(q_lens), max(kv_lens)
         kv_slots = torch.zeros(n, max_kv, dtype=torch.long)
-        mask = torch.zeros(n, max_q, max_kv, dtype=torch.bool)
-        rows, cols, tokens = [], [], []
         for i, s in enumerate(seqs):
-            q_len, kv_len, m = meta.query_lens[s], meta.kv_lens[s], meta.masks[s]
-            kv_slots[i, :kv_len] = self.cache.slots(meta.block_tables[s], 0, kv_len)
-            if m is None:
-                # causal: new token j sees KV indices < kv_len - q_len + j + 1
-                ctx = kv_len - q_len
-                mask[i, :q_len, :kv_len] = (
-                    torch.arange(kv_len)[None, :] <= ctx + torch.arange(q_len)[:, None]
-                )
-            else:
-                mask[i, :q_len, :kv_len] = m
-            mask[i, q_len:, 0] = True  # padded query rows: any valid column avoids NaN; discarded
-            rows.append(torch.full((q_len,), i, dtype=torch.long))
-            cols.append(torch.arange(q_len))
-            tokens.append(torch.arange(starts[s], starts[s] + q_len))
+            kv_slots[i, : kv_lens[i]] = self.cache.slots(meta.block_tables[s], 0, kv_lens[i])
+        # Causal for every sequence at once (new token j sees KV indices up to
+        # kv_len - q_len + j), then the trees' own masks over theirs. Padded query rows see
+        # column 0 only (any valid column avoids NaN; their outputs are discarded).
+        ql = torch.tensor(q_lens)
+        row = torch.arange(max_q)
+        last = (torch.tensor(kv_lens) - ql)[:, None] + row[None, :]  # [n, max_q]
+        real = row[None, :] < ql[:, None]  # [n, max_q]
+        mask = (torch.arange(max_kv)[None, None, :] <= last[:, :, None]) & real[:, :, None]
+        mask[:, :, 0] |= ~real
+        for i, s in enumerate(seqs):
+            m = meta.masks[s]
+            if m is not None:
+                mask[i, : q_lens[i], : kv_lens[i]] = m
+        cols: list[int] = []
+        tokens: list[int] = []
+        for i, s in enumerate(seqs):
+            cols.extend(range(q_lens[i]))
+            tokens.extend(range(starts[s], starts[s] + q_lens[i]))
         dev = self.cache.device
         return _Group(
             kv_slots=kv_slots.to(dev),
             mask=mask[:, None].to(dev),
-            rows=torch.cat(rows).to(dev),
-            cols=torch.cat(cols).to(dev),
-            tokens=torch.cat(tokens).to(dev),
+            rows=torch.repeat_interleave(torch.arange(n), ql).to(dev),
+            cols=torch.tensor(cols, dtype=torch.long).to(dev),
+            tokens=torch.tensor(tokens, dtype=torch.long).to(dev),
             shape=(n, max_q),
         )
 
