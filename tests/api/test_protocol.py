@@ -233,3 +233,19 @@ def test_serve_defaults_to_the_adaserve_policy_on_the_default_model() -> None:
 def test_bad_serve_flags_exit_with_usage(flag: list[str]) -> None:
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", *flag])
+
+
+def test_calibration_gauges_carry_only_depths_with_verified_nodes() -> None:
+    from adaserve.request_manager.control.calibration import DepthCalibration
+
+    m = ServerMetrics(parse_slo_classes("fast=50"))
+    m.set_calibration(
+        [DepthCalibration(1, 12.0, 0.8, 0.6, 0.5), DepthCalibration(2, 0.0, None, None, None)],
+        drafting=True,
+    )
+    lines = [ln for ln in m.render().decode().splitlines() if ln.startswith("adaserve_calib")]
+    observed = [ln for ln in lines if ln.startswith("adaserve_calibration_observed_acceptance")]
+    assert len(observed) == 1 and 'depth="1"' in observed[0] and observed[0].endswith(" 0.5")
+    assert not [ln for ln in lines if 'depth="2"' in ln], "a depth with no verified node has data"
+    assert any(ln.endswith(" 0.8") for ln in lines if "draft_probability" in ln)
+    assert any(ln.endswith(" 0.6") for ln in lines if "predicted_acceptance" in ln)
