@@ -30,6 +30,7 @@ from adaserve import LLMEngine, SamplingParams
 from adaserve.bench.passes import SCENARIOS, EnginePool, add_totals, own_clock, turns
 from adaserve.bench.prompts import prompts
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
+from adaserve.exec.model.llama import Linear
 from adaserve.exec.torch_runner import ModelRunner
 
 # (label, SchedulerConfig overrides)
@@ -240,7 +241,7 @@ def main() -> None:
             if args.quantize_draft and draft is not None:
                 assert isinstance(draft, ModelRunner), "--quantize-draft needs a torch draft model"
                 torch.ao.quantization.quantize_dynamic(
-                    draft.model, {torch.nn.Linear}, dtype=torch.qint8, inplace=True
+                    draft.model, {torch.nn.Linear, Linear}, dtype=torch.qint8, inplace=True
                 )
                 engine.apply_profile(args.budget, engine.sched_cfg.t_spec_init_s)  # re-measure
             return engine

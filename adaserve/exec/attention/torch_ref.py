@@ -96,8 +96,8 @@ class TorchAttentionBackend(AttentionBackend):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
     ) -> torch.Tensor:
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [slots, Hkv, D]
-        k_cache[self._write_slots] = k
-        v_cache[self._write_slots] = v
+        k_cache.index_copy_(0, self._write_slots, k)
+        v_cache.index_copy_(0, self._write_slots, v)
         if len(self._groups) == 1 and self._groups[0].tokens.shape[0] == self._num_tokens:
             return self._attend(q, k_cache, v_cache, self._groups[0], all_tokens=True)
         out = q.new_empty(q.shape)
@@ -117,8 +117,12 @@ class TorchAttentionBackend(AttentionBackend):
         n, max_q = g.shape
         qp = q.new_zeros(n, max_q, q.shape[1], q.shape[2])
         qp[g.rows, g.cols] = q if all_tokens else q[g.tokens]
-        kp = k_cache[g.kv_slots]  # [n, max_kv, Hkv, D]
-        vp = v_cache[g.kv_slots]
+        # index_select of the flat slot list: the same rows as `k_cache[g.kv_slots]`, which
+        # takes 3x as long on CPU (advanced indexing; 154 against 55 us for 600 slots).
+        n_kv = g.kv_slots.shape[1]
+        flat = g.kv_slots.view(-1)
+        kp = k_cache.index_select(0, flat).view(n, n_kv, *k_cache.shape[1:])  # [n, max_kv, Hkv, D]
+        vp = v_cache.index_select(0, flat).view(n, n_kv, *v_cache.shape[1:])
         out = F.scaled_dot_product_attention(
             qp.transpose(1, 2),
             kp.transpose(1, 2),

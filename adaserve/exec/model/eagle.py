@@ -32,8 +32,10 @@ from torch import nn
 from adaserve.exec.attention.base import AttentionBackend
 from adaserve.exec.model.llama import (
     DecoderLayer,
+    Linear,
     LlamaArgs,
     LlamaForCausalLM,
+    linear,
     load_hf_weights,
     rope_inv_freq,
 )
@@ -52,7 +54,7 @@ class EagleHead(nn.Module):
         super().__init__()
         self.args = args
         h = args.hidden_size
-        self.fc = nn.Linear(2 * h, h, bias=True)
+        self.fc = Linear(2 * h, h, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(args, 0)])
         # EAGLE's first layer reads fc's output as it is (fc already mixes two normed inputs).
         self.layers[0].input_layernorm = nn.Identity()
@@ -98,7 +100,7 @@ class EagleHead(nn.Module):
         """hidden [N, H] -> float32 logits [N, vocab] (or [N, K] with a reduced vocabulary)."""
         weight = self.lm_weight if self.head_weight is None else self.head_weight
         assert weight is not None, "attach() the target first"
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Logits only for `token_ids` [K]; column j then stands for token token_ids[j]."""

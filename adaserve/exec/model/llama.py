@@ -120,6 +120,34 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return scaled.float()
 
 
+# Most rows for which `linear` computes W x^T: past ~64 rows MKL's `x W^T` kernel is as fast
+# or faster (python -m adaserve.bench.linears: 0.8-1.0x at 64-128 rows, 1.2-1.7x at 256-512).
+SKINNY_MAX_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 2 <= T <= 64, as W x^T.
+
+    Both are one BLAS call over the same products; what differs is the kernel. MKL's kernel for
+    `x W^T` with a few rows costs, on an AVX2 CPU, about twice a single row (the default model's
+    linears: 106-149 ms at 2-16 rows against 51 at 1), where `W x^T` streams the weights once
+    (48-95 ms; docs/results.md "Skinny matmuls on CPU"). Tree verification and batched decoding
+    are exactly those few rows. One row and prompt chunks past 64 rows keep `F.linear`.
+    """
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 2 <= rows <= SKINNY_MAX_ROWS:
+        return F.linear(x, weight, bias)
+    out = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
+    return out if bias is None else out.add_(bias)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) computed by `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -152,10 +180,8 @@ class Attention(nn.Module):
         )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(
-            args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias
-        )
-        self.o_proj = nn.Linear(self.q_size, args.hidden_size, bias=False)
+        self.qkv_proj = Linear(args.hidden_size, self.q_size + 2 * self.kv_size, bias=args.qkv_bias)
+        self.o_proj = Linear(self.q_size, args.hidden_size, bias=False)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend
@@ -173,8 +199,8 @@ class MLP(nn.Module):
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
         self.intermediate = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.gate_up_proj = Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
+        self.down_proj = Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -210,7 +236,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None
             if args.tie_word_embeddings
-            else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+            else Linear(args.hidden_size, args.vocab_size, bias=False)
         )
         self.register_buffer("inv_freq", rope_inv_freq(args), persistent=False)
         # A draft's reduced-vocabulary head (restrict_head): token ids and their weight rows.
@@ -231,9 +257,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab] (or [N, K], see restrict_head)."""
         if self.head_weight is not None:
-            return F.linear(hidden, self.head_weight).float()
+            return linear(hidden, self.head_weight).float()
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` [K] (a draft's reduced vocabulary); None: all.
