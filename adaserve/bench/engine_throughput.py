@@ -1,6 +1,7 @@
 """Incremental decoding throughput vs Hugging Face transformers `generate()`, same prompts, one run.
 
     python -m adaserve.bench.engine_throughput [--batch-sizes 1 8 32] [--max-tokens 64]
+        [--backend torch|ggml|auto]
 
 Prints a markdown table of output tokens/s at each batch size and the ratio. The two systems
 run alternately `--repeats` times and the medians are reported, so a passing load on a shared
@@ -44,11 +45,18 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument(
+        "--backend",
+        default="torch",
+        choices=("torch", "ggml", "auto"),
+        help="adaserve's backend (default torch: the same float32 model as transformers; "
+        "auto picks ggml where llama-cpp-python is installed)",
+    )
     args = ap.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes))
+    llm = LLM(model=args.model, max_num_seqs=max(args.batch_sizes), backend=args.backend)
     path = llm.llm_engine.engine.target_path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     hf.generation_config.eos_token_id = None  # same as ignore_eos: always max_tokens tokens
@@ -56,7 +64,8 @@ def main() -> None:
     tok.pad_token = tok.pad_token or tok.eos_token
     llm.generate(prompts(2), SamplingParams(max_tokens=4))  # warm-up
     print(
-        f"model: {path.name}, {torch.get_num_threads()} threads, {args.max_tokens} tokens each, "
+        f"model: {path.name}, adaserve backend {args.backend}, {torch.get_num_threads()} threads, "
+        f"{args.max_tokens} tokens each, "
         f"median of {args.repeats} alternating runs\n"
     )
     print("| batch | adaserve incremental tok/s | transformers generate tok/s | ratio |")
