@@ -22,6 +22,7 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -210,6 +211,13 @@ def main() -> None:
         help="new: a fresh engine per pass, prompts it has never seen; repeated: one engine per "
         "policy for the whole run (traffic that repeats)",
     )
+    ap.add_argument(
+        "--record-iterations",
+        metavar="DIR",
+        default=None,
+        help="append each policy's iteration timelines to DIR/<policy>.jsonl (every pass of "
+        "it; see request_manager/timeline.py)",
+    )
     args = ap.parse_args()
     slos = [s or None for s in args.slos]
     print(
@@ -223,7 +231,12 @@ def main() -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
 
-    def factory(overrides: dict) -> Callable[[], LLMEngine]:
+    def factory(label: str, overrides: dict) -> Callable[[], LLMEngine]:
+        timeline = None
+        if args.record_iterations:
+            name = label.replace(" ", "_").replace("γ=", "g")
+            timeline = str(Path(args.record_iterations) / f"{name}.jsonl")
+
         def build() -> LLMEngine:
             engine = LLMEngine(
                 ModelConfig(
@@ -234,7 +247,10 @@ def main() -> None:
                 ),
                 CacheConfig(),
                 SchedulerConfig(
-                    budget=args.budget, max_num_seqs=max(args.concurrency), **overrides
+                    budget=args.budget,
+                    max_num_seqs=max(args.concurrency),
+                    record_iterations=timeline,
+                    **overrides,
                 ),
             )
             draft = engine.engine.draft
@@ -253,7 +269,7 @@ def main() -> None:
         for label, overrides in CONFIGS
         if not args.policies or label in args.policies or overrides["policy"] in args.policies
     ]
-    pool = EnginePool(args.scenario, {label: factory(o) for label, o in chosen})
+    pool = EnginePool(args.scenario, {label: factory(label, o) for label, o in chosen})
     # Policies take turns at every concurrency, `--repeats` times. Interleaved (default): each
     # round the policies' fresh engines serve side by side, and each reports its totals over
     # the rounds. Sequential: one pass after another, the median pass reported, so a

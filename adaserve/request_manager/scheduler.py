@@ -445,6 +445,14 @@ class Scheduler:
                 silent_pairs,
                 tree_pairs,
             )
+        if plan.trees and not plan.chunks:
+            # How this decode forward compared with its prediction (trees against plain).
+            self.controller.observe_forward(
+                plan.predicted_s,
+                out.forward_s,
+                len(plan.batch.token_ids) - len(plan.trees),
+                plan.pad_to > len(plan.batch.token_ids),
+            )
         self._commit_draft_prefill(plan)
         self._chunk_features(plan, out)
         best = self._greedy_argmax(plan, out)

@@ -20,7 +20,16 @@ forward time by tokens and context, measured from the iterations the server runs
    decoding, so an iteration never predicts fewer tokens per second than incremental.
    T(n + k) is never taken below T(n) + k x the cost model's per-token slope around those
    sizes (`verify_s`): two adjacent buckets' fits can differ by noise alone, and a node
-   priced at that difference is verified whatever its acceptance.
+   priced at that difference is verified whatever its acceptance. Nor is a tree forward
+   taken at the cost model's word: the forwards that verified trees are measured against
+   their prediction, as plain decode forwards are, and a verify forward is priced at its
+   prediction times how much more the trees' forwards overran theirs (`tree_cost_factor`).
+   The few tree forwards of a cost model's bucket are what it knows least (on torch here,
+   4 decode rows plus one node measured 20-50% above a prediction that put the node at
+   1-5 ms), and they are chosen where the prediction is lowest. Padding is checked the same
+   way (`pad_cost_factor`): a padded forward is predicted cheaper than its exact size by the
+   fit of another bucket, and on torch here 4 rows padded to 6 ran ~70 ms where the fit had
+   put 4 rows alone at 104 ms and they took 53.
    Exploration: until `explore_observations` depth-1 nodes have been verified, what pays is
    the prior's word (a suffix drafter's chains say q = 1 at every depth), so nothing is kept
    for it alone: the most probable nodes are verified to learn, up to `explore_cost` of a
@@ -35,6 +44,7 @@ forward time by tokens and context, measured from the iterations the server runs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from adaserve.config import SchedulerConfig
@@ -50,6 +60,14 @@ MIN_FORWARD_S = 1e-4
 EXPLORE_DELTA = 0.1
 # The exploration credit holds at most this many plain forwards' time.
 EXPLORE_CREDIT_FORWARDS = 1.0
+# How tree (or padded) forwards overran their predicted time, relative to plain decode ones: the
+# weight of an observation decays by this much with each later one of its kind (~20 kept),
+# the difference is shrunk toward none by this many pseudo-observations, and the factor
+# it makes stays within these bounds. One forward's log error counts at most log(3) either way.
+OVERRUN_DECAY = 0.95
+OVERRUN_PRIOR = 2.0
+TREE_FACTOR_BOUNDS = (0.67, 2.0)
+OVERRUN_CAP = math.log(3.0)
 
 
 class SpeculationController:
@@ -90,6 +108,11 @@ class SpeculationController:
         self._explore_accepted = 0
         self.probing = False  # this iteration probes a drafter that was switched off
         self.num_padded = 0  # forwards for which padding was predicted cheaper
+        # Decayed sums of log(measured / predicted) and their weights, for decode forwards
+        # without tree nodes or padding ("plain") and for those that verified trees ("tree").
+        self._overrun = {"plain": [0.0, 0.0], "tree": [0.0, 0.0], "padded": [0.0, 0.0]}
+        self.tree_cost_factor = 1.0
+        self.pad_cost_factor = 1.0
 
     # ------------------------------------------------------------------ 1. draft at all?
     def should_draft(self, num_requests: int, shape: SpecShape, context: int) -> bool:
@@ -181,8 +204,12 @@ class SpeculationController:
         if self.max_pad_tokens <= tokens:  # nothing to pad to (llama.cpp: never)
             return max(cost.predict(tokens, context, 0, 0, tree_pairs), MIN_FORWARD_S)
         padded = cost.best_padded(tokens, context, self.max_pad_tokens, tree_pairs=tree_pairs)
-        # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         padded_s = cost.predict(padded, context, padded - tokens, 0, tree_pairs)
+        if padded != tokens:
+            # Padding is priced as padded forwards ran against their prediction.
+            exact_s = cost.predict(tokens, context, 0, 0, tree_pairs)
+            padded_s = min(padded_s * self.pad_cost_factor, exact_s)
+        # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         return max(padded_s, MIN_FORWARD_S)
 
     def verify_s(self, n: int, nodes: int, context: int, tree_pairs: int = 0) -> float:
@@ -194,7 +221,44 @@ class SpeculationController:
             return spec
         slope = self.verify_cost.token_slope(n, n + nodes, context)
         floor = self.forward_s(n, context) + nodes * slope
-        return max(spec, floor)
+        return max(max(spec, floor) * self.tree_cost_factor, floor)
+
+    def observe_forward(
+        self, predicted_s: float | None, measured_s: float, tree_tokens: int, padded: bool
+    ) -> None:
+        """A decode forward (no prompt chunk riding along) as predicted and as measured:
+        updates `tree_cost_factor` and `pad_cost_factor` (`_overrun_factor`: how much more
+        unpadded tree forwards, or padded plain ones, overran than unpadded plain ones).
+        Relative to plain forwards, so
+        a machine that runs slower than its fit for a while (which moves every kind alike, and
+        which pruning's ratios cancel) changes nothing. A padded tree forward is neither."""
+        if predicted_s is None or predicted_s <= 0 or measured_s <= 0:
+            return
+        if tree_tokens and padded:
+            return
+        kind = "tree" if tree_tokens else "padded" if padded else "plain"
+        error = min(max(math.log(measured_s / predicted_s), -OVERRUN_CAP), OVERRUN_CAP)
+        acc = self._overrun[kind]
+        acc[0] = OVERRUN_DECAY * acc[0] + error
+        acc[1] = OVERRUN_DECAY * acc[1] + 1.0
+        self.tree_cost_factor = self._overrun_factor("tree")
+        self.pad_cost_factor = self._overrun_factor("padded")
+
+    def overrun_weights(self) -> dict[str, float]:
+        """The decayed number of forwards of each kind observed ("plain", "tree", "padded")."""
+        return {kind: acc[1] for kind, acc in self._overrun.items()}
+
+    def _overrun_factor(self, kind: str) -> float:
+        """exp(the mean log overrun of `kind` - that of plain forwards), the difference shrunk
+        toward 0 by OVERRUN_PRIOR pseudo-observations of `kind` (1.0 before any)."""
+        total, weight = self._overrun[kind]
+        if weight <= 0:
+            return 1.0
+        plain_total, plain_weight = self._overrun["plain"]
+        plain = plain_total / plain_weight if plain_weight > 0 else 0.0
+        gap = weight / (weight + OVERRUN_PRIOR) * (total / weight - plain)
+        lo, hi = TREE_FACTOR_BOUNDS
+        return min(max(math.exp(gap), lo), hi)
 
     @staticmethod
     def node_pairs(n: int, context: int, nodes: int) -> int:
@@ -228,6 +292,7 @@ class SpeculationController:
             return tokens
         self.num_padded += 1
         padded_s = cost.predict(best, context, silent + best - tokens, silent_pairs, tree_pairs)
+        padded_s *= self.pad_cost_factor
         saving = 1.0 - padded_s / cost.predict(tokens, context, silent, silent_pairs, tree_pairs)
         if saving < self.cfg.pad_min_saving or self.num_padded % self.cfg.pad_explore_every == 0:
             return tokens
@@ -490,6 +555,11 @@ class NoControl:
         return tokens
 
     def nothing_proposed(self, n: int, context: int) -> None:
+        return None
+
+    def observe_forward(
+        self, predicted_s: float | None, measured_s: float, tree_tokens: int, padded: bool
+    ) -> None:
         return None
 
     def observe_verification(

@@ -80,6 +80,9 @@ def test_the_suffix_drafter_finds_answers_it_has_served_before(pair):  # noqa: F
         assert accepted > 60, f"{policy}: only {accepted} of 177 repeated tokens accepted"
         assert len(decode) < 40, f"{policy}: {len(decode)} iterations for 60 tokens known ahead"
         assert_no_blocks_held(engine)
+        if policy == "adaserve":  # its forwards were compared with their predictions
+            seen = engine.scheduler.controller.overrun_weights()
+            assert seen["tree"] > 0 and seen["plain"] > 0, f"forwards not observed: {seen}"
 
 
 def test_the_suffix_part_keeps_proposing_while_a_losing_draft_model_is_off(pair):  # noqa: F811
@@ -459,3 +462,69 @@ def test_a_node_is_not_priced_at_the_difference_of_two_noisy_buckets():
     assert kept[0] == [0], f"a node accepted half the time was verified at 11 rows: {kept[0]}"
     assert expected == pytest.approx(11.0)
     assert ctl.verify_s(11, 1, 800) >= ctl.forward_s(11, 800) + 0.004
+
+
+def _four_rows_and_a_node(ctl: SpeculationController) -> list[list[int]]:
+    """What pruning keeps of one node (f = 0.5) beside three plain decode rows."""
+    trees = [_tree([0.5])] + [CandidateTree.root(1) for _ in range(3)]
+    kept, _ = ctl.prune(trees, [[0, 1], [0], [0], [0]], [[0]] * 4, context=0)
+    return kept
+
+
+def test_tree_forwards_that_overrun_their_prediction_are_priced_at_what_they_took():
+    """Torch on this machine: 4 decode rows are the cheap shape and the cost model put a fifth
+    token (a tree node) at 2-5 ms; measured, such forwards took 20-50% longer than predicted
+    while plain decodes took what was predicted. A node accepted half the time pays at the
+    predicted price (4.5 tokens in 62 ms against 4 in 60) and not at the measured one."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    cost = _cost({1: 50, 4: 60, 5: 62, 8: 75})
+    ctl = _warm(SpeculationController(cfg, False, 16, cost))
+    assert _four_rows_and_a_node(ctl)[0] == [0, 1], "at the predicted price the node pays"
+    for _ in range(10):
+        ctl.observe_forward(0.060, 0.060, 0, padded=False)
+        ctl.observe_forward(0.062, 0.062 * 1.3, 1, padded=False)
+    assert 1.15 < ctl.tree_cost_factor < 1.3
+    assert _four_rows_and_a_node(ctl)[0] == [0], "a node that overran its price was verified"
+    fresh = SpeculationController(cfg, False, 16, cost)
+    assert ctl.verify_s(4, 1, 0) == pytest.approx(ctl.tree_cost_factor * fresh.verify_s(4, 1, 0))
+    assert ctl.forward_s(4, 0) == pytest.approx(fresh.forward_s(4, 0)), "plain decode repriced"
+
+    # The whole machine slower than the fit (both kinds overrun alike): nothing to correct.
+    slow = _warm(SpeculationController(cfg, False, 16, cost))
+    for _ in range(10):
+        slow.observe_forward(0.060, 0.060 * 1.3, 0, padded=False)
+        slow.observe_forward(0.062, 0.062 * 1.3, 1, padded=False)
+        slow.observe_forward(0.060, 0.060 * 3, 0, padded=True)  # padded: neither kind
+    assert slow.tree_cost_factor == pytest.approx(1.0)
+    assert _four_rows_and_a_node(slow)[0] == [0, 1]
+
+    # Trees faster than predicted: cheaper, but never below the plain forward plus the
+    # cost model's per-token slope.
+    fast = _warm(SpeculationController(cfg, False, 16, cost))
+    for _ in range(50):
+        fast.observe_forward(0.060, 0.060, 0, padded=False)
+        fast.observe_forward(0.062, 0.062 / 3, 1, padded=False)
+    assert fast.tree_cost_factor == pytest.approx(0.67)
+    slope = cost.token_slope(4, 5, 0)
+    assert fast.verify_s(4, 1, 0) == pytest.approx(fast.forward_s(4, 0) + slope)
+
+
+def test_padding_that_ran_slower_than_predicted_stops():
+    """A fit that puts 6 tokens 25% under 4 pads every 4-row decode to 6; when the padded
+    forwards take what the exact ones do, padding stops and the plain forward is priced at
+    its own size."""
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    cost = _cost({1: 50, 4: 80, 6: 60, 8: 90})
+    ctl = SpeculationController(cfg, False, 16, cost)
+    assert ctl.pad_to(4, 0) == 6
+    assert ctl.forward_s(4, 0) == pytest.approx(cost.predict(6, 0, 2))
+    for _ in range(20):
+        ctl.observe_forward(0.080, 0.060, 0, padded=False)  # 4 rows: 60 ms, not 80
+        ctl.observe_forward(0.060, 0.062, 0, padded=True)  # 4 padded to 6: 62 ms
+    assert ctl.pad_cost_factor > 1.25
+    assert ctl.pad_to(4, 0) == 4, "padding that saves nothing went on"
+    assert ctl.forward_s(4, 0) == pytest.approx(
+        min(cost.predict(4, 0), ctl.pad_cost_factor * cost.predict(6, 0, 2))
+    )
+    assert ctl.forward_s(4, 0) > 0.95 * cost.predict(4, 0), "plain decode priced as padded"
+    assert ctl.tree_cost_factor == 1.0, "no tree forward was observed"
