@@ -126,18 +126,24 @@ SKINNY_MAX_ROWS = 64
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 2 <= T <= 64, as W x^T.
+    """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 1 <= T <= 64, as W x^T.
 
     Both are one BLAS call over the same products; what differs is the kernel. MKL's kernel for
     `x W^T` with a few rows costs, on an AVX2 CPU, about twice a single row (the default model's
     linears: 106-149 ms at 2-16 rows against 51 at 1), where `W x^T` streams the weights once
     (48-95 ms; docs/results.md "Skinny matmuls on CPU"). Tree verification and batched decoding
-    are exactly those few rows. One row and prompt chunks past 64 rows keep `F.linear`.
+    are exactly those few rows. Prompt chunks past 64 rows keep `F.linear`. One row runs as
+    two, the row twice: inside a forward the 1-row product (a matrix-vector kernel, `F.linear`
+    or `torch.mv` alike) made a decode step 81 ms where the same step with the row doubled
+    took 68 (medians of 24, 300 cached tokens), though the linears alone time the same.
     """
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 2 <= rows <= SKINNY_MAX_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
-    out = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
+    if rows == 1:
+        out = torch.mm(weight, torch.cat([x, x]).t())[:, :1].t().contiguous()  # [1, out]
+    else:
+        out = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
     return out if bias is None else out.add_(bias)
 
 
