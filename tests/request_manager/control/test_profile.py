@@ -124,6 +124,38 @@ def test_a_noisy_profile_is_recognised() -> None:
     assert "1-token forward" in (Profile(**{**quiet.__dict__, "target": busy}).noise_reason() or "")
 
 
+def test_one_outlier_times_its_shape_again_and_a_busy_machine_stays_noise(
+    tiny_llama, monkeypatch
+) -> None:
+    """A start-up profile with one shape's repeats spread by one outlier re-times that shape,
+    not the whole profile (a server then starts in one pass); a shape spread every time
+    leaves the profile noise."""
+    from adaserve.exec.timing import ShapeTimer
+    from adaserve.request_manager.control.profile import NOISE_SPREAD
+
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    real = ShapeTimer.samples
+    calls: dict[int, int] = {}
+
+    def outlier_at_4(self, tokens, repeats, *a, **k):
+        samples = real(self, tokens, repeats, *a, **k)
+        calls[tokens] = calls.get(tokens, 0) + 1
+        if tokens == 4 and (calls[tokens] == 1 or persistent) and samples:
+            samples = [*samples[:-1], 5 * max(samples)]  # one repeat 5x the others
+        return samples
+
+    monkeypatch.setattr(ShapeTimer, "samples", outlier_at_4)
+    persistent = False
+    prof = profile_engine(engine, quick=True, progress=False, max_tokens=8)
+    assert calls[4] == 2 and calls[2] == 1, f"only the spread shape is timed again: {calls}"
+    assert prof.max_spread < NOISE_SPREAD and prof.noise_reason() is None
+    calls.clear()
+    persistent = True
+    prof = profile_engine(engine, quick=True, progress=False, max_tokens=8)
+    assert calls[4] == 2, calls
+    assert prof.max_spread > NOISE_SPREAD and "spread" in (prof.noise_reason() or "")
+
+
 def test_the_profile_stores_a_fitted_cost_model_that_predicts_its_points(tiny_llama) -> None:
     engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
     prof = profile_engine(engine, quick=True, progress=False, max_tokens=8)
