@@ -271,6 +271,15 @@ class SchedulerConfig:
     # stream that finishes a second later makes room it would otherwise be refused over
     # (api/async_engine.py; 0: refuse at arrival).
     admission_hold: float = 0.5
+    # Under overload (a request refused for its SLO in the last admission_work_window_s),
+    # --admission slo serves the requests that need the least compute first: it refuses one
+    # whose work (its prompt's prefill alone plus its max_tokens at the marginal cost of a
+    # decode row, from the cost model) lies above what the cheapest of the window's arrivals
+    # fill of admission_work_share of the window's seconds. A long prompt costs the machine
+    # what several short requests do, and each counts one SLO (docs/scheduling.md, "Work").
+    # 0: off.
+    admission_work_share: float = 0.85
+    admission_work_window_s: float = 30.0
     admission_ema: float = 0.2
     tokens_per_request_ema: float = 0.1
     host_ema: float = 0.1
@@ -292,6 +301,12 @@ class SchedulerConfig:
             raise ValueError(f"slo_bank_spend must be in [0, 1], got {self.slo_bank_spend}")
         if not 0.0 <= self.admission_hold < 1.0:
             raise ValueError(f"admission_hold must be in [0, 1), got {self.admission_hold}")
+        if not self.admission_work_share >= 0.0:
+            raise ValueError(f"admission_work_share must be >= 0, got {self.admission_work_share}")
+        if not self.admission_work_window_s > 0.0:
+            raise ValueError(
+                f"admission_work_window_s must be > 0, got {self.admission_work_window_s}"
+            )
         if not 0.0 <= self.slo_repay <= 1.0:
             raise ValueError(f"slo_repay must be in [0, 1], got {self.slo_repay}")
         for name in (

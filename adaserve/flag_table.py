@@ -214,6 +214,10 @@ FIELD_HELP: dict[str, str] = {
     "admission_hold": "--admission slo holds a request it would refuse for its TPOT (unscheduled, "
     "no KV) for up to this share of its TTFT objective, admitting it as soon as the load "
     "allows; 0 refuses at arrival",
+    "admission_work_share": "--admission slo under overload (a request refused for its SLO "
+    "within the work window) refuses requests needing more compute than the cheapest recent "
+    "arrivals fill of this share of the window; 0: off",
+    "admission_work_window_s": "seconds of arrivals (and of SLO refusals) the work rule looks at",
     "admission_ema": "weight of the newest iteration in admission's decode-period average",
     "tokens_per_request_ema": "weight of the newest iteration in tokens emitted per request",
     "host_ema": "weight of the newest iteration in host time per iteration",

@@ -437,6 +437,7 @@ class AsyncEngine(StreamBook):
             params.slo_ttft_ms,
             params.max_tokens if known_length else None,
             waited,
+            key=cmd.stream.request_id,
         )
         if why is None:
             return None

@@ -7,7 +7,8 @@ prefill prices iterations through `iteration_s` (the cost model's forward plus h
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from adaserve.config import SchedulerConfig
@@ -97,6 +98,10 @@ class Admission:
         # iterations that had prompts to prefill; None before the first): below the speed of
         # a prompt alone while streams' SLOs keep the chunks small.
         self.prefill_rate: float | None = None
+        # Arrivals judged in the last admission_work_window_s: (time, work seconds, key), and
+        # when a request was last refused for its SLO (`work_refusal`).
+        self._arrivals: deque[tuple[float, float, Hashable]] = deque()
+        self._slo_refused_at: float | None = None
 
     # ------------------------------------------------------------------ predictions
     def iteration_s(
@@ -210,6 +215,75 @@ class Admission:
             rate = min(rate, self.prefill_rate)
         return (ahead + n) / rate + self.host_s
 
+    def work_s(self, prompt_tokens: int, max_tokens: int | None) -> float | None:
+        """Seconds of compute a request needs: its prompt prefilled alone, plus max_tokens
+        (0 when unknown) at the marginal cost of one more decode row beside the running ones,
+        over the tokens per request iterations recently emitted. None without a cost model."""
+        if self.cost is None:
+            return None
+        n, m = prompt_tokens, max_tokens or 0
+        work = self.cost.predict(n, 0, n, n * (n + 1) // 2)
+        if m:
+            running, _, _ = self.queues()
+            rows = len(running)
+            context = sum(r.num_tokens for r in running)
+            row_s = self.cost.predict(rows + 1, context + n + m // 2)
+            if rows:
+                row_s -= self.cost.predict(rows, context)
+            work += m * max(row_s, 0.0) / max(self.tokens_per_request, 1.0)
+        return work
+
+    def work_limit_s(self, now: float) -> float | None:
+        """The most work an arrival may need now (`work_refusal`), None for no limit: the
+        window's arrivals taken cheapest first until they fill admission_work_share of the
+        window's seconds; the last that fits sets it."""
+        budget = self.cfg.admission_work_share * self.cfg.admission_work_window_s
+        total = 0.0
+        limit = 0.0
+        for work in sorted(w for _, w, _ in self._arrivals):
+            total += work
+            if total > budget:
+                return limit
+            limit = work
+        return None
+
+    def work_refusal(
+        self, work: float, prompt_tokens: int, max_tokens: int | None
+    ) -> Refusal | None:
+        """Under overload (a request refused for its SLO within the window), one whose work
+        is above `work_limit_s` is refused: each request counts one SLO, and the compute of
+        one long prompt serves several short requests (docs/scheduling.md, "Work")."""
+        now = self.clock()
+        window = self.cfg.admission_work_window_s
+        if self._slo_refused_at is None or now - self._slo_refused_at > window:
+            return None
+        limit = self.work_limit_s(now)
+        if limit is None or work <= limit:
+            return None
+        tokens = f"{prompt_tokens}-token prompt" + (
+            f" and {max_tokens} tokens" if max_tokens else ""
+        )
+        return Refusal(
+            f"the server is overloaded and serves the requests that need the least compute "
+            f"first: this one needs about {work:.1f} s (its {tokens}), over the {limit:.1f} s "
+            f"the load allows now; retry later or send a shorter prompt",
+            first_token=True,
+        )
+
+    def _note_arrival(self, work: float, key: Hashable) -> float:
+        """Record an arrival's work; one judged again (same `key`) keeps the work it was
+        recorded with, which is returned (its rows' marginal cost moves with the batch)."""
+        now = self.clock()
+        window = self.cfg.admission_work_window_s
+        while self._arrivals and now - self._arrivals[0][0] > window:
+            self._arrivals.popleft()
+        if key is not None:
+            for _, seen, k in self._arrivals:
+                if k == key:
+                    return seen
+        self._arrivals.append((now, work, key))
+        return work
+
     def refusal(
         self,
         slo_tpot_ms: float | None,
@@ -242,6 +316,7 @@ class Admission:
         slo_ttft_ms: float | None = None,
         max_tokens: int | None = None,
         waited_s: float = 0.0,
+        key: Hashable = None,
     ) -> Refusal | None:
         """Why a request with this TPOT SLO (and prompt) should be refused now, or None to
         admit it; `waited_s`: how long ago it arrived (a held request's first token is due
@@ -261,7 +336,29 @@ class Admission:
         (`Request.prefill_yields`) and ride in the streams' slack until they starve
         (`prefill.starving`), trading a first token that is far off, and may still come in
         time, for a stream that would otherwise be turned away; the streams admitted while
-        they yield are let in the same way."""
+        they yield are let in the same way. Under overload, one that needs more compute than
+        the load allows is refused too (`work_refusal`); `key` names the request so that one
+        judged again (held) is one arrival."""
+        work = None
+        if prompt_tokens is not None and self.cfg.admission_work_share > 0:
+            work = self.work_s(prompt_tokens, max_tokens)
+            if work is not None:
+                work = self._note_arrival(work, key)
+                if (why := self.work_refusal(work, prompt_tokens, max_tokens)) is not None:
+                    return why
+        why = self._judge(slo_tpot_ms, prompt_tokens, slo_ttft_ms, max_tokens, waited_s)
+        if why is not None:
+            self._slo_refused_at = self.clock()
+        return why
+
+    def _judge(
+        self,
+        slo_tpot_ms: float | None,
+        prompt_tokens: int | None,
+        slo_ttft_ms: float | None,
+        max_tokens: int | None,
+        waited_s: float,
+    ) -> Refusal | None:
         objective_ms = None
         if prompt_tokens is not None:
             objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)

@@ -198,7 +198,11 @@ def simulate(
                 continue
             waited = max(0.0, rep.clock() - b.send_time_s)
             why = rep.sched.admission.judge(
-                b.slo_tpot_ms, _prompt_len(rep.sched, b), max_tokens=b.max_tokens, waited_s=waited
+                b.slo_tpot_ms,
+                _prompt_len(rep.sched, b),
+                max_tokens=b.max_tokens,
+                waited_s=waited,
+                key=b.trace.index,
             )
             if why is None:
                 live.append((b, _add(rep.sched, b, j, rng)))
@@ -233,7 +237,7 @@ def _route(
     first: Refusal | None = None
     for k in tries:
         why = reps[k].sched.admission.judge(
-            b.slo_tpot_ms, _prompt_len(reps[k].sched, b), max_tokens=b.max_tokens
+            b.slo_tpot_ms, _prompt_len(reps[k].sched, b), max_tokens=b.max_tokens, key=b.trace.index
         )
         if why is None:
             return k, None, 0

@@ -502,7 +502,7 @@ def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(t
     # freely on the virtual clock here, so the backlog drains before the request arrives).
     asked = []
     judge = engine.admission.judge
-    engine.admission.judge = lambda *a: asked.append(a[:4]) or judge(*a)
+    engine.admission.judge = lambda *a, **k: asked.append(a[:4]) or judge(*a, **k)
     with ThreadServer(build_app(engine, ServerConfig())) as srv:
         r = complete(srv.url, prompt=document, max_tokens=2, slo_ttft_ms=9000)
         assert r.status_code == 200, r.text

@@ -165,3 +165,39 @@ def test_a_newcomer_is_priced_at_plain_decoding_when_the_trees_do_not_pay():
     # period scaled from 3 to 4 one-token rows.
     adm.forward_tokens_per_request = adm.tokens_per_request = 1.0
     assert abs(adm.predicted_tpot_s() - 2 * now * 0.024 / 0.023) < 1e-9
+
+
+def test_under_overload_the_requests_needing_the_least_compute_are_served_first():
+    # 20 ms + 1 ms a token: a 100-token prompt with 64 tokens needs 0.12 + 64 x 0.021 =
+    # 1.464 s alone; a 4,000-token one 4.02 + 1.344 = 5.364 s. Budget: 0.5 x 10 s = 5 s.
+    clock = [NOW]
+    cfg = SchedulerConfig(admission_work_share=0.5, admission_work_window_s=10.0)
+    adm = Admission(cfg, LinearCost(), lambda: ([], [], []), lambda: clock[0])
+    short, long = 1.464, 5.364
+    assert abs(adm.work_s(100, 64) - short) < 1e-9 and abs(adm.work_s(4000, 64) - long) < 1e-9
+    for i in range(3):
+        assert adm.judge(None, 100, max_tokens=64, key=f"s{i}") is None
+    assert adm.judge(None, 4000, max_tokens=64, key="l0") is None, "nothing refused yet: admitted"
+    assert abs(adm.work_limit_s(clock[0]) - short) < 1e-9, (
+        "3 short ones fill 4.4 of 5 s, the long does not"
+    )
+    # A request refused for its SLO: the server is overloaded from now on, for the window.
+    why = adm.judge(1.0, 100, max_tokens=64, key="tight")
+    assert why is not None and "slo_tpot_ms" in why.message
+    refused = adm.judge(None, 4000, max_tokens=64, key="l1")
+    assert refused is not None and "least compute" in refused.message, refused
+    assert "5.4 s" in refused.message and "4000-token prompt" in refused.message
+    assert refused.first_token, "not held: waiting for its turn cannot come while overloaded"
+    assert adm.judge(None, 100, max_tokens=64, key="s3") is None, "a cheap one is admitted"
+    # Judged again (held), a request is one arrival, not two.
+    n = len(adm._arrivals)
+    adm.judge(None, 100, max_tokens=64, key="s3")
+    assert len(adm._arrivals) == n
+    # A window without a refusal for an SLO: no limit.
+    clock[0] += 10.5
+    assert adm.judge(None, 4000, max_tokens=64, key="l2") is None
+    off = Admission(
+        SchedulerConfig(admission_work_share=0.0), LinearCost(), lambda: ([], [], []), lambda: NOW
+    )
+    off.judge(1.0, 100, max_tokens=64)
+    assert all(off.judge(None, 4000, max_tokens=64) is None for _ in range(20)), "0: off"
