@@ -427,6 +427,45 @@ def test_slo_admission_holds_a_request_until_a_stream_makes_room(tiny_llama) -> 
     assert "past their slo_tpot_ms 100" in refused.text, refused.text
 
 
+@pytest.mark.parametrize("share", [0.85, 0.0])
+def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
+    tiny_llama, share: float
+) -> None:
+    """A 100 ms stream decodes 400 tokens (~28 s of work on these 50 ms + 20 ms per request
+    forwards); a request refused for its SLO marks the server overloaded; then one needing
+    ~8 s (400 tokens beside the stream) is refused at arrival for its work (429 with
+    Retry-After, the reason said), where without the rule (share 0) it is refused for the
+    stream's SLO."""
+    from tests.virtual_time import slow_forwards
+
+    engine = slow_forwards(
+        make_engine(
+            tiny_llama,
+            max_num_seqs=8,
+            admission_hold=0.0,
+            admission_work_window_s=5.0,
+            admission_work_share=share,
+        ),
+        lambda n: 0.05 + 0.02 * n,
+    )
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        first: dict = {}
+        body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
+        t = threading.Thread(target=lambda: first.update(r=complete(srv.url, **body)))
+        t.start()
+        wait_for(lambda: engine.scheduler.running, 10, "the 100 ms stream decodes")
+        tight = complete(srv.url, max_tokens=4, ignore_eos=True, slo_tpot_ms=1)
+        assert tight.status_code == 429 and "slo_tpot_ms 1 cannot" in tight.text, tight.text
+        big = complete(srv.url, max_tokens=400, ignore_eos=True)
+        t.join(60)
+        assert first["r"].status_code == 200, first["r"].text
+    assert big.status_code == 429 and "retry-after" in big.headers, big.text
+    if share:
+        assert "least compute first" in big.text and "400 tokens" in big.text, big.text
+    else:
+        assert "past their slo_tpot_ms 100" in big.text, big.text
+
+
 def test_slo_admission_refuses_a_held_request_when_its_hold_runs_out(tiny_llama) -> None:
     """Held for half its 400 ms TTFT objective while the 100 ms stream still has hundreds of
     tokens to go: then refused with the reason (429), not queued behind it."""
