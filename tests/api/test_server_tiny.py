@@ -5,6 +5,7 @@ engine's `step` from the test."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -387,6 +388,22 @@ def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> Non
     assert engine.admission.refusal(1000) is None, "the tight request left: room again"
 
 
+@contextlib.contextmanager
+def _tight_stream(engine: LLMEngine) -> Iterator[str]:
+    """A server on `engine` (its URL) while a 100 ms stream of 400 tokens decodes on it; on
+    leaving, that stream has been served and its KV freed."""
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        first: dict = {}
+        body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
+        t = threading.Thread(target=lambda: first.update(r=complete(srv.url, **body)))
+        t.start()
+        wait_for(lambda: engine.scheduler.running, 10, "the 100 ms stream decodes")
+        yield srv.url
+        t.join(60)
+        assert first["r"].status_code == 200, first["r"].text
+        wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
+
+
 def _behind_a_tight_stream(tiny_llama, hold: float, second: dict) -> tuple[httpx.Response, float]:
     """A request with `second`'s fields sent while a 100 ms stream decodes, on an engine whose
     decode iteration costs 50 ms + 20 ms per request (so a second stream would make it 90 ms):
@@ -396,18 +413,10 @@ def _behind_a_tight_stream(tiny_llama, hold: float, second: dict) -> tuple[httpx
     engine = slow_forwards(
         make_engine(tiny_llama, max_num_seqs=8, admission_hold=hold), lambda n: 0.05 + 0.02 * n
     )
-    with ThreadServer(build_app(engine, ServerConfig())) as srv:
-        first: dict = {}
-        body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
-        t = threading.Thread(target=lambda: first.update(r=complete(srv.url, **body)))
-        t.start()
-        wait_for(lambda: engine.scheduler.running, 10, "the 100 ms stream decodes")
+    with _tight_stream(engine) as url:
         start = time.monotonic()
-        r = complete(srv.url, max_tokens=4, ignore_eos=True, **second)
+        r = complete(url, max_tokens=4, ignore_eos=True, **second)
         took = time.monotonic() - start
-        t.join(60)
-        assert first["r"].status_code == 200, first["r"].text
-        wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
     return r, took
 
 
@@ -448,17 +457,10 @@ def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
         ),
         lambda n: 0.05 + 0.02 * n,
     )
-    with ThreadServer(build_app(engine, ServerConfig())) as srv:
-        first: dict = {}
-        body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
-        t = threading.Thread(target=lambda: first.update(r=complete(srv.url, **body)))
-        t.start()
-        wait_for(lambda: engine.scheduler.running, 10, "the 100 ms stream decodes")
-        tight = complete(srv.url, max_tokens=4, ignore_eos=True, slo_tpot_ms=1)
+    with _tight_stream(engine) as url:
+        tight = complete(url, max_tokens=4, ignore_eos=True, slo_tpot_ms=1)
         assert tight.status_code == 429 and "slo_tpot_ms 1 cannot" in tight.text, tight.text
-        big = complete(srv.url, max_tokens=400, ignore_eos=True)
-        t.join(60)
-        assert first["r"].status_code == 200, first["r"].text
+        big = complete(url, max_tokens=400, ignore_eos=True)
     assert big.status_code == 429 and "retry-after" in big.headers, big.text
     if share:
         assert "least compute first" in big.text and "400 tokens" in big.text, big.text
