@@ -446,6 +446,12 @@ class AsyncEngine(StreamBook):
         ):
             self._held.append(cmd)
             return None
+        logger.info(
+            "refused %s: %s [prediction: %s]",
+            cmd.stream.request_id,
+            why.message,
+            ", ".join(f"{k} {v:.4g}" for k, v in admission.last_prediction.items()),
+        )
         return Refused(why.message)
 
     def _release_held(self) -> None:

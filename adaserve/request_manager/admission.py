@@ -102,6 +102,8 @@ class Admission:
         # when a request was last refused for its SLO (`work_refusal`).
         self._arrivals: deque[tuple[float, float, Hashable]] = deque()
         self._slo_refused_at: float | None = None
+        # What the last TPOT prediction was made of (ms and counts), for the refusal's log line.
+        self.last_prediction: dict[str, float] = {}
 
     # ------------------------------------------------------------------ predictions
     def iteration_s(
@@ -177,6 +179,18 @@ class Admission:
         # Control verifies trees only while they yield more tokens per second than plain
         # decoding (`SpeculationController.prune`: k = 0 is always a candidate), so a stream
         # admitted now is never slower than plain decoding of the batch would make it.
+        self.last_prediction = {
+            "rows": n,
+            "running": len(running),
+            "context": context,
+            "iteration_ms": 1000.0 * iteration,
+            "speculating_ms": 1000.0 * speculating,
+            "plain_ms": 1000.0 * plain,
+            "tokens_per_request": self.tokens_per_request,
+            "decode_period_ms": 1000.0 * (self.decode_period_s or 0.0),
+            "forward_tokens_per_request": self.forward_tokens_per_request,
+            "host_ms": 1000.0 * self.host_s,
+        }
         return min(speculating / self.tokens_per_request, plain)
 
     def ttft_objective_ms(self, prompt_tokens: int, slo_ttft_ms: float | None) -> float | None:
