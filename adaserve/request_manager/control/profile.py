@@ -72,6 +72,16 @@ NOISE_ONE_TOKEN = 1.5
 # forward at 2.4x its measurement; the next servers started from it, predicted every stream
 # too slow, and refused 41 of 48 requests (8% of SLOs met, against 33-42% from the points).
 FIT_TOLERANCE = 2.0
+# A cached start-up profile measured (or last confirmed) longer ago than this is checked
+# against the machine as it is now before a server uses it: its 1- and 2-token forwards are
+# timed again (a second), and off the cached points by more than STALE_TOLERANCE either way
+# the profile is measured again. One cached a day earlier on a busy machine priced 2 decode
+# rows at 38 ms where they took 23-24 ms; the servers that started from it (and the fits they
+# stored back, within FIT_TOLERANCE of those points) refused streams at 53-62 ms per token
+# predicted that `--policy incremental`, from a fresh cost curve, served at 33-43 ms.
+STALE_CHECK_AGE_S = 3600.0
+STALE_TOLERANCE = 1.3
+STALE_CHECK_TOKENS = (1, 2)
 # t_spec assumes D_max draft steps per iteration: the deepest tree the scheduler grows.
 T_SPEC_DRAFT_STEPS = SchedulerConfig().max_depth
 
@@ -135,6 +145,18 @@ class Profile:
                 f"2-16-token one ({min(several):.1f} ms)"
             )
         return None
+
+    def age_s(self) -> float:
+        """Seconds since it was measured or last confirmed (`stale_reason`); infinite when
+        `created_at` does not parse."""
+        try:
+            then = datetime.datetime.fromisoformat(self.created_at)
+        except ValueError:
+            return math.inf
+        if then.tzinfo is None:
+            then = then.replace(tzinfo=datetime.timezone.utc)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (now - then).total_seconds()
 
     def cost_points(self) -> list[tuple[int, int, float]]:
         """Target points as (tokens, total context tokens, seconds) for the online cost model."""
@@ -393,10 +415,23 @@ def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile |
             cached = Profile.load(path)
             # One cached before the tree pairs were measured is measured again.
             if cached.noise_reason() is None and cached.tree_pair_s is not None:
-                # The points are the measurement; B is derived, by this version's rule.
-                ctx = cached.budget_context
-                at_ctx = {p.tokens: p.ms for p in cached.target if p.context == ctx}
-                return replace(cached, budget=derive_budget(at_ctx, cached.budget_factor))
+                stale = None
+                if cached.age_s() > STALE_CHECK_AGE_S:
+                    stale = stale_reason(engine, cached)
+                    if stale is None:  # confirmed now: no check for another hour
+                        cached = replace(cached, created_at=_now())
+                        cached.save(path)
+                if stale is None:
+                    # The points are the measurement; B is derived, by this version's rule.
+                    ctx = cached.budget_context
+                    at_ctx = {p.tokens: p.ms for p in cached.target if p.context == ctx}
+                    return replace(cached, budget=derive_budget(at_ctx, cached.budget_factor))
+                log.warning(
+                    "the cached start-up profile %s no longer describes this machine (%s); "
+                    "measuring it again",
+                    path,
+                    stale,
+                )
         except ValueError:
             pass  # written by another version: measure again
     for attempt in range(2):
@@ -406,6 +441,29 @@ def startup_profile(engine: ExecutionEngine, progress: bool = True) -> Profile |
             prof.save(path)
             return prof
         log.warning("start-up profile %d is noise (%s); not using it", attempt + 1, reason)
+    return None
+
+
+def stale_reason(engine: ExecutionEngine, prof: Profile) -> str | None:
+    """Why a cached profile no longer describes this machine (None: it still does): its
+    STALE_CHECK_TOKENS forwards at its budget context, timed again (median of 3), are off its
+    points by more than STALE_TOLERANCE either way."""
+    cached = {
+        p.tokens: p.ms
+        for p in prof.target
+        if p.context == prof.budget_context and p.tokens in STALE_CHECK_TOKENS
+    }
+    with ShapeTimer(engine.target, prof.budget_context) as timer:
+        for tokens, ms in sorted(cached.items()):
+            samples = timer.samples(tokens, 3)
+            if samples is None:  # the KV pool cannot hold the shape: nothing to compare
+                continue
+            now = statistics.median(samples)
+            if max(now / ms, ms / now) > STALE_TOLERANCE:
+                return (
+                    f"a {tokens}-token forward takes {now:.1f} ms now, {ms:.1f} ms in the "
+                    f"profile of {prof.created_at}"
+                )
     return None
 
 

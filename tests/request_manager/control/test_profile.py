@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import datetime
 import json
+import logging
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -270,3 +273,73 @@ def test_a_graph_replaying_target_gets_a_start_up_profile_of_its_own(tiny_llama)
     finally:
         engine.target.graphs = None
     assert graphs != eager and graphs.name.endswith("__cudagraphs.json")
+
+
+def test_a_cached_profile_over_an_hour_old_is_checked_against_the_machine_first(
+    tiny_llama, monkeypatch, caplog
+) -> None:
+    """A profile cached on a busy machine must not price every later server's forwards: one
+    older than STALE_CHECK_AGE_S has its 1- and 2-token forwards timed again, and off by more
+    than STALE_TOLERANCE it is measured again; confirmed, it is used and counts as new."""
+    import adaserve.request_manager.control.profile as profile_mod
+
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    path = profile_mod.startup_profile_path(engine)
+    hours_ago = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(hours=2)
+    cached = replace(synthetic_profile(), created_at=hours_ago.isoformat(timespec="seconds"))
+    machine: dict[int, float] = {}  # tokens -> ms the machine takes now
+    timed: list[int] = []
+
+    class Timer:  # the machine as `machine` says, at the profile's budget context
+        def __init__(self, runner, context):
+            assert context == cached.budget_context
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def samples(self, tokens, repeats):
+            timed.append(tokens)
+            return [machine[tokens]] * repeats
+
+    monkeypatch.setattr(profile_mod, "ShapeTimer", Timer)
+    fresh = replace(synthetic_profile(), budget=9)
+    measured: list[int] = []
+    monkeypatch.setattr(profile_mod, "profile_engine", lambda *a, **k: measured.append(1) or fresh)
+    try:
+        # Within 30% of its points (11 and 12 ms): used, and confirmed as of now.
+        cached.save(path)
+        machine.update({1: 12.0, 2: 14.0})
+        got = profile_mod.startup_profile(engine, progress=False)
+        assert timed == [1, 2] and not measured and got.target == cached.target
+        assert Profile.load(path).age_s() < 60, "a confirmed profile is not checked again soon"
+        # Less than an hour old: used without timing anything, whatever the machine does.
+        timed.clear()
+        machine.update({2: 30.0})
+        assert profile_mod.startup_profile(engine, progress=False).target == cached.target
+        assert timed == []
+        # Over an hour old and 2 rows now 2x faster than cached: measured again.
+        cached.save(path)
+        machine.update({1: 11.0, 2: 6.0})
+        with caplog.at_level(logging.WARNING, logger="adaserve.profile"):
+            assert profile_mod.startup_profile(engine, progress=False) == fresh
+        assert measured == [1]
+        assert "a 2-token forward takes 6.0 ms now, 12.0 ms" in caplog.text, caplog.text
+    finally:
+        path.unlink(missing_ok=True)
+
+
+def test_the_staleness_check_times_the_real_forwards(tiny_llama) -> None:
+    """On the real timer: points 1,000x slower than the tiny model's forwards are stale."""
+    from adaserve.request_manager.control.profile import stale_reason
+
+    engine = ExecutionEngine(ModelConfig(model=str(tiny_llama)), CacheConfig(num_blocks=256), False)
+    slow = replace(
+        synthetic_profile(),
+        target=tuple(replace(p, ms=1000.0 * p.ms) for p in synthetic_profile().target),
+    )
+    why = stale_reason(engine, slow)
+    assert why is not None and why.startswith("a 1-token forward takes"), why
+    assert engine.target.cache.allocator.num_free == 256, "the check released its KV"
