@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -143,6 +144,10 @@ def test_one_outlier_times_its_shape_again_and_a_busy_machine_stays_noise(
     def outlier_at_4(self, tokens, repeats, *a, **k):
         samples = real(self, tokens, repeats, *a, **k)
         calls[tokens] = calls.get(tokens, 0) + 1
+        if samples:
+            # The real forwards run, but their times are made steady: a busy moment of this
+            # machine (a real outlier at another shape) is not what this test is about.
+            samples = [statistics.median(samples)] * len(samples)
         if tokens == 4 and (calls[tokens] == 1 or persistent) and samples:
             samples = [*samples[:-1], 5 * max(samples)]  # one repeat 5x the others
         return samples
