@@ -93,14 +93,18 @@ class LlamaCppContext:
         n_batch: int,
         n_ubatch: int = 512,
         n_threads: int | None = None,
+        streams: int | None = None,
     ):
         """`n_batch`: most tokens one decode call takes; `n_ubatch`: most llama.cpp computes at
-        once (a bigger batch runs as several micro-batches)."""
+        once (a bigger batch runs as several micro-batches). `streams`: that many sequences,
+        each in a KV stream of its own (n_ctx / streams cells; no cell shared between
+        sequences, so no trees and no seq_cp) instead of one unified cache: only for measuring
+        what the unified cache costs (`adaserve.bench.ggml_kv`), the engine never asks."""
         lc = _lib()
         self.lc = lc
         _quiet(lc)
         lc.llama_backend_init()
-        self.max_seqs = int(lc.llama_max_parallel_sequences())
+        self.max_seqs = int(lc.llama_max_parallel_sequences()) if streams is None else streams
         mp = lc.llama_model_default_params()
         mp.n_gpu_layers = 0
         # Whether weights may sit in llama.cpp's extra (repacked, AMX) buffer types.
@@ -127,7 +131,7 @@ class LlamaCppContext:
         cp.n_seq_max = self.max_seqs
         cp.n_threads = threads
         cp.n_threads_batch = threads
-        cp.kv_unified = True
+        cp.kv_unified = streams is None
         cp.flash_attn_type = FLASH_ATTN_ENABLED
         cp.embeddings = False
         self.ctx = lc.llama_init_from_model(self.model, cp)
@@ -420,6 +424,31 @@ class GgmlKVCache:
                 self._free_ids.append(s)
 
 
+def segments(n: int, chunks: list[tuple[int, int]], tile: int) -> list[np.ndarray]:
+    """The llama.cpp calls one forward of `n` tokens runs as: batch indices per call.
+
+    In the unified cache every query row's attention walks the mask of every occupied cell.
+    Below `tile` query rows llama.cpp skips a masked cell one at a time; at `tile` and above it
+    computes 64 x 64 blocks of queries and keys and skips a block only when every query in it
+    is masked from every key, so decode rows of many requests, tiled together with a prompt
+    chunk, pay for every request's cells (`adaserve.bench.ggml_kv`: 16 decode rows and a
+    128-token chunk beside 16 x 800 cached tokens took 924 ms in one call, 90 + 360 ms
+    apart). So a forward that reaches the tile runs each prompt chunk (`chunks`: (start,
+    tokens)) as a call of its own, whose tiles hold one request's queries, and the rest
+    (decode rows, trees, short chunks) as one call; each call costs a pass over the weights
+    (a 1-token forward, ~6 ms here). A forward below the tile, or of one part only, is one
+    call."""
+    if n < tile or not chunks or (len(chunks) == 1 and chunks[0][1] == n):
+        return [np.arange(n)]
+    alone = np.zeros(n, bool)
+    parts = []
+    for start, q in chunks:
+        alone[start : start + q] = True
+        parts.append(np.arange(start, start + q))
+    rest = np.flatnonzero(~alone)
+    return ([rest] if len(rest) else []) + parts
+
+
 def tree_kind(tree: list[int] | None, query_len: int) -> str:
     """How a sequence's tree runs here: "causal" (a chunk, a decode token or a chain),
     "verify" (one request's verification tree: one root, every slot fed now) or "draft"
@@ -441,6 +470,9 @@ class GgmlRunner:
     # llama.cpp's CPU flash attention (ggml-cpu ops.cpp) tiles the queries of a forward of at
     # least GGML_FA_TILE_Q = 64 tokens; below that it walks every query row over every cell.
     attention_tile_tokens: int | None = 64
+    # A prompt chunk of at least this many tokens runs in a llama.cpp call of its own when the
+    # forward reaches the attention tile (`segments`).
+    own_call_tokens = 16
 
     def __init__(
         self,
@@ -486,6 +518,7 @@ class GgmlRunner:
         positions = np.asarray(batch.positions, np.int32)
         seq = np.empty(n, np.int32)
         extra: dict[int, list[int]] = {}
+        chunks: list[tuple[int, int]] = []  # (start, tokens) of each prompt-sized causal run
         start = 0
         for q, kv_len, table, tree in zip(
             batch.query_lens, batch.kv_lens, batch.block_tables, batch.trees
@@ -493,6 +526,8 @@ class GgmlRunner:
             s = self.cache.seq_of(table)
             first = int(positions[start])
             kind = tree_kind(tree, q)
+            if kind == "causal" and q >= self.own_call_tokens:
+                chunks.append((start, q))
             if kind == "draft":
                 # A draft step: each node sees the committed tokens and its scratch ancestors.
                 assert tree is not None
@@ -528,12 +563,46 @@ class GgmlRunner:
                 raise ValueError("logits_indices must be increasing on the ggml backend")
             want[idx] = True
         self.llama.set_embeddings(self.capture_hidden)
-        logits, hidden = self.llama.decode(tokens, positions, seq, extra, want)
+        parts = segments(n, chunks, self.attention_tile_tokens or n + 1)
+        if len(parts) == 1:
+            logits, hidden = self.llama.decode(tokens, positions, seq, extra, want)
+        else:
+            logits, hidden = self._decode_apart(parts, tokens, positions, seq, extra, want)
         if self.capture_hidden and hidden is not None:
             self.last_hidden = torch.from_numpy(hidden)
         if not want.any():
             return None
         return torch.from_numpy(logits)
+
+    def _decode_apart(
+        self,
+        parts: list[np.ndarray],
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        seq: np.ndarray,
+        extra: dict[int, list[int]],
+        want: np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray | None]:
+        """One forward as several llama.cpp calls (`segments`), its outputs in batch order."""
+        logits, hidden, wanted = [], [], []
+        for idx in parts:
+            local = {int(i): k for k, i in enumerate(idx)}
+            sub_extra = {local[i]: ids for i, ids in extra.items() if i in local}
+            out, hid = self.llama.decode(
+                tokens[idx], positions[idx], seq[idx], sub_extra, want[idx]
+            )
+            logits.append(out)
+            wanted.append(idx[want[idx]])
+            if hid is not None:
+                hidden.append((idx, hid))
+        order = np.argsort(np.concatenate(wanted), kind="stable")
+        vocab = np.concatenate(logits)[order]
+        if not hidden:
+            return vocab, None
+        rows = np.empty((len(tokens), hidden[0][1].shape[1]), np.float32)
+        for idx, hid in hidden:
+            rows[idx] = hid
+        return vocab, rows
 
     def _scratch_row(
         self, seq: int, context: int, kv_index: int, parent_kv: int | None, pos: int

@@ -362,3 +362,104 @@ def test_backend_selection(tiny_llama):
         pick_backend(ModelConfig(backend="ggml", device="cuda"), default_model_dir())
     with pytest.raises(ValueError, match="backend must be one of"):
         ModelConfig(backend="llamacpp")
+
+
+def test_per_sequence_streams_compute_what_the_unified_cache_does():
+    """`LlamaCppContext(streams=N)`, which `adaserve.bench.ggml_kv` prices the unified cache
+    against, runs the same model: two sequences decoded in one batch get the logits they get
+    in the unified cache (same argmax, close values; float rounding depends on cell order)."""
+    import numpy as np
+
+    from adaserve.exec.ggml import LlamaCppContext
+
+    other = [1, 504, 2115, 30, 282, 4649, 314]
+    tokens = np.array(PROMPT + other, np.int32)
+    positions = np.array(list(range(len(PROMPT))) + list(range(len(other))), np.int32)
+    seqs = np.array([0] * len(PROMPT) + [1] * len(other), np.int32)
+    want = np.zeros(len(tokens), bool)
+    want[[len(PROMPT) - 1, len(tokens) - 1]] = True
+    out = {}
+    for streams in (None, 4):
+        ctx = LlamaCppContext(default_gguf_file(), 4 * 256, 512, streams=streams)
+        try:
+            assert ctx.max_seqs == (streams or ctx.max_seqs)
+            out[streams], _ = ctx.decode(tokens, positions, seqs, {}, want)
+            # A stream holds n_ctx / streams = 256 cells; the unified cache lends any sequence
+            # all 1,024.
+            long = np.full(300, 504, np.int32)
+            args = (long, np.arange(300, dtype=np.int32), np.full(300, 2, np.int32), {})
+            if streams is None:
+                ctx.decode(*args, np.arange(300) == 299)
+            else:
+                with pytest.raises(RuntimeError, match="no free KV cell"):
+                    ctx.decode(*args, np.arange(300) == 299)
+        finally:
+            ctx.close()
+    unified, streamed = out[None], out[4]
+    assert unified.shape == streamed.shape == (2, unified.shape[1])
+    assert (unified.argmax(1) == streamed.argmax(1)).all()
+    assert np.abs(unified - streamed).max() < 0.5, np.abs(unified - streamed).max()
+
+
+def test_a_forward_that_reaches_the_attention_tile_runs_each_prompt_chunk_apart():
+    """`segments`: below the 64-token tile, or with one part only, one call; at the tile,
+    each prompt chunk (given by (start, tokens)) alone and everything else together, in
+    batch order."""
+    from adaserve.exec.ggml import segments
+
+    def calls(n, chunks):
+        return [p.tolist() for p in segments(n, chunks, 64)]
+
+    assert calls(40, [(8, 32)]) == [list(range(40))], "below the tile"
+    assert calls(100, [(0, 100)]) == [list(range(100))], "a prompt chunk alone"
+    assert calls(100, []) == [list(range(100))], "decode rows and trees only"
+    assert calls(100, [(3, 80)]) == [[0, 1, 2, *range(83, 100)], list(range(3, 83))]
+    assert calls(100, [(0, 50), (50, 50)]) == [list(range(50)), list(range(50, 100))]
+
+
+def test_decode_rows_and_a_prompt_chunk_split_apart_give_the_one_call_logits(runner, monkeypatch):
+    """Three requests decode a token each while a 70-token prompt is prefilled in the same
+    forward: run as two llama.cpp calls (the rows, then the chunk) it gives the logits one
+    call gives, in batch order (the chunk's exactly, the rows' within rounding), and writes
+    the same KV."""
+    prompts = [[1, 504, 3458, 282 + i, 4649, 314, 253] for i in range(3)]
+    doc = [(17 * j) % 4000 + 2 for j in range(70)]
+    results = {}
+    for own_call in (runner.own_call_tokens, 10**9):  # split, then one call
+        monkeypatch.setattr(runner, "own_call_tokens", own_call)
+        tables: list[list[int]] = [[] for _ in prompts]
+        for table, p in zip(tables, prompts):
+            prefill(runner, table, p, len(p) + 1)
+        doc_table: list[int] = []
+        runner.cache.reserve(doc_table, len(doc))
+        b = SequenceBatchBuilder()
+        for table, p in zip(tables, prompts):
+            b.add([28], [len(p)], len(p) + 1, table, logits="last")
+        b.add(doc, list(range(len(doc))), len(doc), doc_table, logits="last")
+        decodes: list[int] = []
+        real = runner.llama.decode
+
+        def counted(*a, decodes=decodes, real=real):
+            decodes.append(len(a[0]))
+            return real(*a)
+
+        monkeypatch.setattr(runner.llama, "decode", counted)
+        logits = runner.forward(b.batch)
+        monkeypatch.setattr(runner.llama, "decode", real)
+        assert logits is not None and logits.shape[0] == 4
+        # The KV written: the next token of the document after the chunk.
+        nxt = SequenceBatchBuilder()
+        nxt.add([28], [len(doc)], len(doc) + 1, doc_table, logits="last")
+        runner.cache.reserve(doc_table, len(doc) + 1)
+        after = runner.forward(nxt.batch)
+        results[own_call] = (decodes, logits, after)
+        for table in [*tables, doc_table]:
+            runner.cache.release(table)
+    (split_calls, split, split_after), (one_calls, one, one_after) = results.values()
+    assert split_calls == [3, 70] and one_calls == [73]
+    # The chunk's own call computes it exactly as the shared one did, and writes the same KV.
+    assert torch.equal(split[3], one[3]) and torch.equal(split_after, one_after)
+    # Decode rows run as a 3-row matmul instead of a 73-row one: llama.cpp's 8-bit
+    # activations round apart (measured: up to 0.59 on logits up to 28), the argmax stays.
+    assert torch.equal(split.argmax(1), one.argmax(1))
+    assert (split[:3] - one[:3]).abs().max() < 0.05 * one.abs().max()

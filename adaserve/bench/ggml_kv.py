@@ -1,0 +1,124 @@
+"""What the ggml backend's unified KV cache costs a forward, against one stream per sequence.
+
+    python -m adaserve.bench.ggml_kv [--others 0 16] [--context 200 800] [--chunks 32 128]
+
+The ggml backend keeps every request in one llama.cpp KV cache (`exec/ggml.py`: trees share
+their request's cells by sequence ids), as llama-server does not (one stream per slot). In one
+cache a query row's attention walks the mask of every occupied cell, whoever owns it; this
+measures that price on the default GGUF: `--others` sequences of `--context` tokens each sit in
+the cache, then the median time (--repeats) of a forward of one decode row per sequence, and of
+a `--chunks`-token prompt chunk of a new sequence, in a unified cache, then in per-sequence
+streams. Prints markdown; docs/results.md has a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+STREAMS = 32  # sequences of the per-stream context (each stream gets n_ctx / STREAMS cells)
+CELLS_PER_STREAM = 4096
+
+
+def _context(unified: bool, threads: int | None):
+    from adaserve.exec.default_model import default_gguf_file
+    from adaserve.exec.ggml import LlamaCppContext
+
+    n_ctx = STREAMS * CELLS_PER_STREAM
+    return LlamaCppContext(
+        default_gguf_file(), n_ctx, 2048, n_threads=threads, streams=None if unified else STREAMS
+    )
+
+
+def _fill(ctx, seq: int, n: int, rng: np.random.Generator, start: int = 0) -> float:
+    """Decode `n` random tokens of `seq` from position `start`; the seconds it took."""
+    tokens = rng.integers(100, 20000, n).astype(np.int32)
+    positions = np.arange(start, start + n, dtype=np.int32)
+    want = np.arange(n) == n - 1
+    t0 = time.perf_counter()
+    ctx.decode(tokens, positions, np.full(n, seq, np.int32), {}, want)
+    return time.perf_counter() - t0
+
+
+def measure(
+    unified: bool, others: int, context: int, chunks: list[int], repeats: int, threads: int | None
+) -> dict[str, float]:
+    """Median ms of each shape with `others` sequences of `context` tokens in the cache."""
+    ctx = _context(unified, threads)
+    rng = np.random.default_rng(0)
+    try:
+        for s in range(others):
+            _fill(ctx, s, context, rng)
+        out: dict[str, float] = {}
+        if others:
+            tokens = rng.integers(100, 20000, others).astype(np.int32)
+            seqs = np.arange(others, dtype=np.int32)
+            pos = np.full(others, context, np.int32)
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                ctx.decode(tokens, pos, seqs, {}, np.ones(others, bool))
+                times.append(time.perf_counter() - t0)
+                for s in range(others):
+                    ctx.seq_rm(s, context, -1)
+            out[f"{others} decode rows"] = 1000.0 * statistics.median(times[1:])
+        new = others  # a sequence id of its own
+        for c in chunks:
+            times = []
+            for _ in range(repeats + 1):
+                times.append(_fill(ctx, new, c, rng))
+                ctx.seq_rm(new)
+            out[f"{c}-token chunk"] = 1000.0 * statistics.median(times[1:])
+        if others:
+            # An iteration as the server runs them: every sequence's decode row and a chunk.
+            c = max(chunks)
+            tokens = rng.integers(100, 20000, others + c).astype(np.int32)
+            seqs = np.concatenate([np.arange(others), np.full(c, new)]).astype(np.int32)
+            pos = np.concatenate([np.full(others, context), np.arange(c)]).astype(np.int32)
+            want = np.concatenate([np.ones(others, bool), np.arange(c) == c - 1])
+            times = []
+            for _ in range(repeats + 1):
+                t0 = time.perf_counter()
+                ctx.decode(tokens, pos, seqs, {}, want)
+                times.append(time.perf_counter() - t0)
+                for s in range(others):
+                    ctx.seq_rm(s, context, -1)
+                ctx.seq_rm(new)
+            out[f"{others} decode rows + {c}-token chunk"] = 1000.0 * statistics.median(times[1:])
+        return out
+    finally:
+        ctx.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--others", type=int, nargs="+", default=[0, 16])
+    ap.add_argument("--context", type=int, nargs="+", default=[200, 800])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[32, 128])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    if max(args.others) >= STREAMS:
+        ap.error(f"--others must stay below {STREAMS} (one stream is the new sequence's)")
+    if max(args.context) + max(args.chunks) > CELLS_PER_STREAM:
+        ap.error(f"--context + --chunks must fit a stream of {CELLS_PER_STREAM} cells")
+    print("| cache holds | forward | unified ms | per-sequence streams ms | unified / streams |")
+    print("|---|---|---|---|---|")
+    for others in args.others:
+        for context in args.context if others else [0]:
+            a = measure(True, others, context, args.chunks, args.repeats, args.threads)
+            b = measure(False, others, context, args.chunks, args.repeats, args.threads)
+            held = f"{others} x {context} tokens" if others else "nothing"
+            for shape in a:
+                print(
+                    f"| {held} | {shape} | {a[shape]:.1f} | {b[shape]:.1f} | "
+                    f"{a[shape] / b[shape]:.2f}x |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
