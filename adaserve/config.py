@@ -260,8 +260,9 @@ class SchedulerConfig:
     # slo_headroom of its TTFT objective): at 10x the sustainable rate on the
     # development machine, admitted 120 ms requests ran 1-25% slower than predicted
     # (docs/results.md, "Overload"). Weights of the newest iteration in the moving averages
-    # of the decode period and forward tokens per request, of tokens emitted per request,
-    # and of host time per iteration (the plain mean over its first 1 / host_ema samples).
+    # of the decode slowdown (period over prediction) and forward tokens per request, of
+    # tokens emitted per request, and of host time per iteration (the plain mean over its
+    # first 1 / host_ema samples).
     slo_headroom: float = 0.85
     # A request refused only for the prompt tokens that prompts due after its first token
     # force into every forward is admitted over them; they yield (prefill.forced_chunk).

@@ -85,9 +85,12 @@ class Admission:
         # gain), for predicting the TPOT of a request admitted now (`predicted_tpot_s`).
         self.tokens_per_request = 1.0
         # Recent decode-only iterations as they ran (EMA, None before the first): wall time
-        # from one start to the next (forward, drafting, host time), and forward tokens per
-        # decoding request.
-        self.decode_period_s: float | None = None
+        # from one start to the next (forward, drafting, host time) over what `iteration_s`
+        # predicts for the forward each ran, and forward tokens per decoding request. A ratio,
+        # not the period itself: the period of a batch that has since lost or gained streams
+        # priced a newcomer by the old batch (after streams ended, 80-100 ms predicted where
+        # iterations took 35).
+        self.decode_slowdown: float | None = None
         self.forward_tokens_per_request = 1.0
         # Host seconds per iteration (EMA of IterationStats.host_s): an iteration lasts the
         # forward the cost model predicts plus this, which TPOT predictions must count.
@@ -125,9 +128,10 @@ class Admission:
         would see once it decodes, over
         the tokens per request iterations have recently emitted. The iteration: the cost
         model's time of a decode iteration over everyone here plus it (at most max_num_seqs,
-        one token each), or, while requests decode, the recent period of decode-only
-        iterations scaled by the cost model from the running batch to that one, if longer
-        (it has what the cost of one token each misses: tree tokens, drafting, host time).
+        one token each), or, while requests decode, that batch with the recent forward tokens
+        per request, times how much longer recent decode-only iterations took than predicted
+        for the batches they ran, if longer (it has what the cost of one token each misses:
+        tree tokens, drafting, host time).
         Speculation is priced both ways, the recent trees (scaled to the batch, over the
         tokens per request they yielded) and plain decoding (one token each), and the faster
         counts: control drops trees that do not pay, and ~4-token trees over long contexts
@@ -166,16 +170,12 @@ class Admission:
                 )
                 iteration += share * max(0.0, slowed - iteration)
         speculating = plain = iteration
-        if running and self.decode_period_s is not None:
-            per = self.forward_tokens_per_request
-            now = self.iteration_s(
-                max(1, round(per * len(running))), sum(r.num_tokens for r in running)
-            )
-            if now > 0:
-                after = self.iteration_s(max(1, round(per * n)), context)
-                speculating = max(iteration, self.decode_period_s * after / now)
-                # The same period with every request decoding one token (no tree nodes).
-                plain = max(iteration, self.decode_period_s * self.iteration_s(n, context) / now)
+        slowdown = self.decode_slowdown
+        if running and slowdown is not None:
+            after = self.iteration_s(max(1, round(self.forward_tokens_per_request * n)), context)
+            speculating = max(iteration, slowdown * after)
+            # The same with every request decoding one token (no tree nodes).
+            plain = max(iteration, slowdown * self.iteration_s(n, context))
         # Control verifies trees only while they yield more tokens per second than plain
         # decoding (`SpeculationController.prune`: k = 0 is always a candidate), so a stream
         # admitted now is never slower than plain decoding of the batch would make it.
@@ -187,7 +187,7 @@ class Admission:
             "speculating_ms": 1000.0 * speculating,
             "plain_ms": 1000.0 * plain,
             "tokens_per_request": self.tokens_per_request,
-            "decode_period_ms": 1000.0 * (self.decode_period_s or 0.0),
+            "decode_slowdown": self.decode_slowdown or 0.0,
             "forward_tokens_per_request": self.forward_tokens_per_request,
             "host_ms": 1000.0 * self.host_s,
         }
@@ -440,8 +440,15 @@ class Admission:
         """Seconds since the previous iteration ended (None: the engine was idle)."""
         return None if self.busy_until is None else now - self.busy_until
 
-    def observe(self, stats: IterationStats, gap_s: float | None, num_decoding: int) -> None:
-        """Fold a finished iteration into the averages (sets its `host_s`)."""
+    def observe(
+        self,
+        stats: IterationStats,
+        gap_s: float | None,
+        num_decoding: int,
+        context: int | None = None,
+    ) -> None:
+        """Fold a finished iteration into the averages (sets its `host_s`); `context`: the
+        cached tokens its forward attended (None: unknown, no slowdown sample)."""
         a = self.cfg.admission_ema
         if gap_s is not None:
             stats.host_s = max(0.0, gap_s + stats.total_s - stats.forward_s - stats.draft_s)
@@ -466,7 +473,13 @@ class Admission:
             # one is what a prompt borrows, not what a newly admitted stream will see; counted,
             # one long prompt made the server refuse at a tenth of its capacity.
             period = stats.total_s + gap_s
-            last = self.decode_period_s
-            self.decode_period_s = period if last is None else last + a * (period - last)
+            forward = stats.padded_tokens or stats.num_tokens
+            predicted = 0.0
+            if self.cost is not None and context is not None:
+                predicted = self.iteration_s(forward, context)
+            if predicted > 0:
+                ratio = period / predicted
+                last = self.decode_slowdown
+                self.decode_slowdown = ratio if last is None else last + a * (ratio - last)
             tokens = stats.num_tokens / num_decoding
             self.forward_tokens_per_request += a * (tokens - self.forward_tokens_per_request)

@@ -472,7 +472,7 @@ class Scheduler:
         stats.verify_s = end - plan.built_s
         stats.total_s = end - plan.started_s
         decoding = plan.decoding
-        self.admission.observe(stats, plan.gap_s, len(decoding))
+        self.admission.observe(stats, plan.gap_s, len(decoding), plan.context)
         self.planner.after_iteration(
             plan.speculation,
             len(decoding),

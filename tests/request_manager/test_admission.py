@@ -7,6 +7,7 @@ from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.admission import Admission, forced_share
 from adaserve.request_manager.request import Request
+from adaserve.request_manager.stats import IterationStats
 
 NOW = 100.0
 
@@ -152,19 +153,50 @@ def test_a_newcomer_is_priced_at_plain_decoding_when_the_trees_do_not_pay():
     running = [Request(f"r{i}", [1] * 100, SamplingParams()) for i in range(3)]
     adm = Admission(SchedulerConfig(), LinearCost(), lambda: (running, [], []), lambda: NOW)
     adm.forward_tokens_per_request = 4.0
-    now = 0.02 + 0.001 * 12  # the running batch's forward: 3 requests x 4 tokens
-    adm.decode_period_s = 2 * now  # iterations took twice the forward (drafting, host)
+    adm.decode_slowdown = 2.0  # iterations took twice the forward (drafting, host)
     adm.tokens_per_request = 1.2
     trees = 2 * (0.02 + 0.001 * 16) / 1.2  # 4 requests x 4 tokens, 1.2 tokens each
-    plain = 2 * (0.02 + 0.001 * 4)  # 4 requests x 1 token, the same period per forward
+    plain = 2 * (0.02 + 0.001 * 4)  # 4 requests x 1 token, the same slowdown
     assert plain < trees
     assert abs(adm.predicted_tpot_s() - plain) < 1e-9
     adm.tokens_per_request = 3.5  # trees that pay: 3.5 tokens for 4 verified
     assert abs(adm.predicted_tpot_s() - 2 * (0.02 + 0.001 * 16) / 3.5) < 1e-9
-    # Incremental (one token a request, one emitted): both estimates are the same one, the
-    # period scaled from 3 to 4 one-token rows.
+    # Incremental (one token a request, one emitted): both estimates are the same one.
     adm.forward_tokens_per_request = adm.tokens_per_request = 1.0
-    assert abs(adm.predicted_tpot_s() - 2 * now * 0.024 / 0.023) < 1e-9
+    assert abs(adm.predicted_tpot_s() - 2 * (0.02 + 0.001 * 4)) < 1e-9
+
+
+def _decode_iteration(rows: int, seconds: float) -> IterationStats:
+    """A decode-only iteration of `rows` one-token rows that took `seconds`."""
+    return IterationStats(
+        kind="decode",
+        num_requests=rows,
+        num_tokens=rows,
+        padded_tokens=rows,
+        emitted_tokens=rows,
+        total_s=seconds,
+        forward_s=seconds,
+    )
+
+
+def test_a_newcomer_is_priced_by_the_batch_it_joins_not_the_batch_that_was():
+    """Iterations of 8 streams ran 10% over their prediction (30.8 ms where 28 was
+    predicted); then 6 of the streams ended. A newcomer joins 2 streams: 3 rows, 23 ms
+    predicted, 25.3 ms at the measured slowdown. The period of the 8-row batch, scaled by the
+    cost model from the 2 rows running now to 3, had priced it at 32.2 ms (30.8 x 23 / 22):
+    the old batch's time, not the new one's."""
+    running = [Request(f"r{i}", [1] * 100, SamplingParams()) for i in range(8)]
+    adm = Admission(SchedulerConfig(), LinearCost(), lambda: (running, [], []), lambda: NOW)
+    eight = 1.1 * (0.02 + 0.001 * 8)
+    for _ in range(50):
+        # The gap before the next iteration is host time; here none.
+        adm.observe(_decode_iteration(8, eight), 0.0, 8, context=800)
+    assert adm.decode_slowdown is not None and abs(adm.decode_slowdown - 1.1) < 1e-6
+    del running[2:]  # six streams end
+    assert abs(adm.predicted_tpot_s() - 1.1 * (0.02 + 0.001 * 3)) < 1e-6
+    # An iteration whose context is unknown is no sample.
+    adm.observe(_decode_iteration(2, 1.0), 0.0, 2)
+    assert abs(adm.decode_slowdown - 1.1) < 1e-6
 
 
 def test_under_overload_the_requests_needing_the_least_compute_are_served_first():
