@@ -19,7 +19,15 @@ every request gets the default TTFT objective from its prompt length and the mea
 prefill speed (or --prefill-ms-per-token; docs/benchmarks.md). The same numbers go
 to every system. Results append to --out (one line per point, labelled by system), then the
 table (attainment joint, TPOT-only and by class; TTFT p50/p99; TPOT p50/p90; throughput;
-goodput; refusals) and a four-panel plot of the same.
+goodput; refusals), one line per rate comparing adaserve with the better llama-server and
+with incremental, and a four-panel plot of the same.
+
+With --rounds N every point runs N times, the systems' order rotated by one each round
+(`point_order`): on a shared 2-core VM the machine's speed drifts over minutes (the same
+server's one-row forwards took 6-7 ms in one replay and 9-11 ms in the next, recorded
+2026-11-29), and a fixed order hands one system the same slot of the drift every time. The
+table and plot then show each point's mean over its rounds, with the range of its
+attainment (`pooled`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any
 
 import httpx
 
+from adaserve.bench.passes import turns
 from adaserve.bench.replay import measure_prefill_ms_per_token
 from adaserve.bench.report import load_results
 from adaserve.bench.sweep import (
@@ -107,6 +116,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     p.add_argument("--server-log-dir", default=None, help="keep server logs here")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every point N times, the systems' order rotated each round; the table "
+        "shows each point's mean and its attainment's range",
+    )
     add_workload_arguments(p)
 
 
@@ -198,17 +214,119 @@ def _cell(x: float | None, fmt: str, scale: float = 1.0) -> str:
     return "-" if x is None else format(scale * x, fmt)
 
 
+def point_order(
+    systems: Sequence[str], rates: Sequence[float | None], rounds: int
+) -> list[tuple[int, float | None, str]]:
+    """(round, rate, system) in the order the points run: round by round, rate by rate, the
+    systems rotated by one each round (`turns`), so with rounds a multiple of the systems each
+    system runs in each slot equally often."""
+    return [
+        (r, rps, system)
+        for r in range(rounds)
+        for rps in rates
+        for system in turns(list(systems), r)
+    ]
+
+
+# The figures a pooled point shows as the mean of its rounds.
+MEAN_FIELDS = (
+    "slo_attainment",
+    "tpot_slo_attainment",
+    "ttft_ms_p50",
+    "ttft_ms_p99",
+    "tpot_ms_p50",
+    "tpot_ms_p90",
+    "throughput_tok_s",
+    "goodput_tok_s",
+    "refused",
+)
+
+
+def pooled(results: Sequence[dict]) -> list[dict]:
+    """One result per (system, rate): a point run once as it is; one run in several rounds as
+    the mean of its rounds' figures, with `rounds` and `slo_attainment_range` (min, max)."""
+    groups: dict[tuple[str, float | None], list[dict]] = {}
+    for r in results:
+        groups.setdefault((r["system"], r.get("rps")), []).append(r)
+    out = []
+    for (system, rps), runs in groups.items():
+        if len(runs) == 1:
+            out.append(runs[0])
+            continue
+        point: dict[str, Any] = {"system": system, "rps": rps, "rounds": len(runs)}
+        for key in MEAN_FIELDS:
+            values = [r[key] for r in runs if r.get(key) is not None]
+            point[key] = statistics.fmean(values) if values else None
+        att = [r["slo_attainment"] for r in runs if r.get("slo_attainment") is not None]
+        point["slo_attainment_range"] = (min(att), max(att)) if att else None
+        cats = {c for r in runs for c in r.get("per_category", {})}
+        point["per_category"] = {
+            c: {
+                "slo_attainment": statistics.fmean(
+                    r["per_category"][c]["slo_attainment"]
+                    for r in runs
+                    if c in r.get("per_category", {})
+                )
+            }
+            for c in sorted(cats)
+        }
+        out.append(point)
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def versus_lines(results: Sequence[dict]) -> list[str]:
+    """Per rate, adaserve against the better llama-server (by attainment) and against
+    incremental: attainment, TTFT p50 and throughput ratios (the peer comparison's goals)."""
+    points = {(r["system"], r.get("rps")): r for r in pooled(results)}
+    lines = []
+    for rps in sorted({k[1] for k in points if k[0] == "adaserve"}, key=lambda x: x or 0.0):
+        ada = points[("adaserve", rps)]
+        peers = [
+            points[(s, rps)]
+            for s in ("llama-server", "llama-server-ngram")
+            if (s, rps) in points and points[(s, rps)].get("slo_attainment") is not None
+        ]
+        parts = []
+        if peers:
+            peer = max(peers, key=lambda r: r["slo_attainment"])
+            parts.append(
+                f"vs {peer['system']}: attainment "
+                f"{_ratio(ada.get('slo_attainment'), peer['slo_attainment'])}, TTFT p50 "
+                f"{_ratio(ada.get('ttft_ms_p50'), peer.get('ttft_ms_p50'))}, throughput "
+                f"{_ratio(ada.get('throughput_tok_s'), peer.get('throughput_tok_s'))}"
+            )
+        inc = points.get(("incremental", rps))
+        if inc is not None:
+            parts.append(
+                "vs incremental: attainment "
+                f"{_ratio(ada.get('slo_attainment'), inc.get('slo_attainment'))}"
+            )
+        if parts:
+            lines.append(f"adaserve at {_cell(rps, '.2f')} rps " + "; ".join(parts))
+    return lines
+
+
 def compare_table(results: Sequence[dict]) -> str:
-    """One row per point: attainment (joint, TPOT-only, by class), latency, rates."""
-    cats = sorted({c for r in results for c in r.get("per_category", {})})
+    """One row per point (the mean of its rounds, `pooled`): attainment (joint, TPOT-only, by
+    class), latency, rates; then adaserve against its peers per rate (`versus_lines`)."""
+    many = pooled(results)
+    cats = sorted({c for r in many for c in r.get("per_category", {})})
     head = ["system", "RPS", "SLO attainment", "TPOT-only"] + [f"att. {c}" for c in cats]
     head += ["TTFT p50 / p99 s", "TPOT p50 / p90 ms", "throughput tok/s", "goodput tok/s"]
     head += ["refused"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in sorted(results, key=lambda r: (r.get("rps") or 0.0, SYSTEMS.index(r["system"]))):
+    for r in sorted(many, key=lambda r: (r.get("rps") or 0.0, SYSTEMS.index(r["system"]))):
         per = r.get("per_category", {})
         cells = [r["system"], _cell(r.get("rps"), ".2f")]
-        cells += [_cell(r.get("slo_attainment"), ".1%"), _cell(r.get("tpot_slo_attainment"), ".1%")]
+        attainment = _cell(r.get("slo_attainment"), ".1%")
+        if r.get("slo_attainment_range") is not None:
+            low, high = r["slo_attainment_range"]
+            attainment += f" ({low:.1%}-{high:.1%}, {r['rounds']} rounds)"
+        cells += [attainment, _cell(r.get("tpot_slo_attainment"), ".1%")]
         cells += [_cell(per[c]["slo_attainment"], ".0%") if c in per else "-" for c in cats]
         ttft = _cell(r.get("ttft_ms_p50"), ".2f", 1e-3), _cell(r.get("ttft_ms_p99"), ".1f", 1e-3)
         cells += [
@@ -216,10 +334,11 @@ def compare_table(results: Sequence[dict]) -> str:
             f"{_cell(r.get('tpot_ms_p50'), '.0f')} / {_cell(r.get('tpot_ms_p90'), '.0f')}",
             _cell(r.get("throughput_tok_s"), ".1f"),
             _cell(r.get("goodput_tok_s"), ".1f"),
-            str(r.get("refused", 0)),
+            _cell(r.get("refused", 0), "g"),
         ]
         rows.append("| " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    versus = versus_lines(results)
+    return "\n".join(rows + ([""] + versus if versus else []))
 
 
 def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
@@ -241,6 +360,7 @@ def compare_figure(results: Sequence[dict]) -> Any:
 
     plt = pyplot()
 
+    results = pooled(results)
     fig, axes = plt.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
     panels = [
         ("SLO attainment (%)", "slo_attainment", "tpot_slo_attainment", 100.0),
@@ -272,6 +392,8 @@ def compare_figure(results: Sequence[dict]) -> Any:
 
 def run(args: argparse.Namespace) -> int:
     """Calibrate, then every system x rate on a fresh server; 1 if some point did not run."""
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     trace = load_trace_arg(args)
     if any(s.startswith("llama-server") for s in args.systems) and not args.llama_server:
         raise ValueError(
@@ -300,22 +422,28 @@ def run(args: argparse.Namespace) -> int:
     for rps in args.rps or [None]:
         prepare_point(args, trace, rps)  # bad options fail before any server starts
     results, failed = [], []
-    for rps in args.rps or [None]:
-        for system in args.systems:
-            cmd = system_command(args, system, free_port())
-            log = log_dir / f"{system}-rps{rps}.log"
-            print(f"[{system} @ {rps} rps] {shlex.join(cmd)}", file=sys.stderr, flush=True)
-            try:
-                with running_server(cmd, log, args.startup_timeout) as url:
-                    warm_up(url, None)
-                    extra = {"system": system, "server_command": cmd, "slo_baseline_ms": baseline}
-                    result = run_point(args, url, trace, rps, system, extra=extra)
-            except (RuntimeError, httpx.HTTPError) as exc:
-                print(f"[{system} @ {rps} rps] skipped: {exc}", file=sys.stderr, flush=True)
-                failed.append(f"{system}@{rps}")
-                continue
-            print(one_line(result), flush=True)
-            results.append(result)
+    for rnd, rps, system in point_order(args.systems, args.rps or [None], args.rounds):
+        cmd = system_command(args, system, free_port())
+        tag = f"-r{rnd}" if args.rounds > 1 else ""
+        log = log_dir / f"{system}-rps{rps}{tag}.log"
+        name = f"[{system} @ {rps} rps{f', round {rnd}' if tag else ''}]"
+        print(f"{name} {shlex.join(cmd)}", file=sys.stderr, flush=True)
+        try:
+            with running_server(cmd, log, args.startup_timeout) as url:
+                warm_up(url, None)
+                extra = {
+                    "system": system,
+                    "server_command": cmd,
+                    "slo_baseline_ms": baseline,
+                    "round": rnd,
+                }
+                result = run_point(args, url, trace, rps, system, extra=extra)
+        except (RuntimeError, httpx.HTTPError) as exc:
+            print(f"{name} skipped: {exc}", file=sys.stderr, flush=True)
+            failed.append(f"{system}@{rps}{tag}")
+            continue
+        print(one_line(result), flush=True)
+        results.append(result)
     return finish_runs(args, results, failed, log_dir, compare_table, plot_compare, "points")
 
 

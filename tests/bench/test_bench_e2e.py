@@ -198,6 +198,53 @@ def test_the_comparison_plot_shows_every_system_inside_every_panel() -> None:
     assert tops[3] >= 600.0  # its TPOT p90, ms
 
 
+def test_rounds_rotate_the_systems_and_the_table_shows_each_points_mean() -> None:
+    """With --rounds each system takes each slot of a rate in turn, and the table pools a
+    point's rounds: mean figures, the attainment's range, and adaserve's ratios to the better
+    llama-server and to incremental."""
+    from adaserve.bench.compare import compare_table, point_order, pooled
+
+    order = point_order(["adaserve", "incremental", "llama-server"], [0.5, 1.0], 3)
+    assert len(order) == 18
+    firsts = [system for r, rps, system in order if rps == 0.5][::3]
+    assert firsts == ["adaserve", "incremental", "llama-server"], order
+    assert [rps for _, rps, _ in order[:6]] == [0.5] * 3 + [1.0] * 3, "rate by rate"
+
+    def point(system: str, att: float, ttft: float, tok_s: float, rnd: int) -> dict:
+        return {
+            "system": system, "rps": 0.5, "round": rnd, "slo_attainment": att,
+            "tpot_slo_attainment": att, "ttft_ms_p50": ttft, "ttft_ms_p99": 2 * ttft,
+            "tpot_ms_p50": 10.0, "tpot_ms_p90": 20.0, "throughput_tok_s": tok_s,
+            "goodput_tok_s": att * tok_s, "refused": 2 * rnd,
+            "per_category": {"ratio=1.2": {"slo_attainment": att}},
+        }  # fmt: skip
+
+    results = [
+        point("adaserve", 0.75, 400.0, 30.0, 0),
+        point("adaserve", 0.95, 600.0, 34.0, 1),
+        point("incremental", 0.80, 500.0, 30.0, 0),
+        point("incremental", 0.80, 500.0, 30.0, 1),
+        point("llama-server", 0.50, 300.0, 40.0, 0),
+        point("llama-server", 0.70, 300.0, 40.0, 1),
+        point("llama-server-ngram", 0.60, 250.0, 40.0, 0),
+    ]
+    by = {r["system"]: r for r in pooled(results)}
+    ada = by["adaserve"]
+    assert ada["rounds"] == 2 and ada["slo_attainment"] == pytest.approx(0.85)
+    assert ada["slo_attainment_range"] == (0.75, 0.95) and ada["refused"] == pytest.approx(1.0)
+    assert ada["per_category"]["ratio=1.2"]["slo_attainment"] == pytest.approx(0.85)
+    assert by["llama-server-ngram"] is results[-1], "a point run once stays as it ran"
+    table = compare_table(results)
+    assert "| adaserve | 0.50 | 85.0% (75.0%-95.0%, 2 rounds) |" in table, table
+    assert table.count("| adaserve |") == 1, "one row per point"
+    # The better peer is plain llama-server (60% mean against ngram's 60%: the first wins a
+    # tie); 0.85 / 0.60, TTFT 500 / 300, throughput 32 / 40; incremental 0.85 / 0.80.
+    assert (
+        "adaserve at 0.50 rps vs llama-server: attainment 1.42x, TTFT p50 1.67x, throughput "
+        "0.80x; vs incremental: attainment 1.06x" in table
+    ), table
+
+
 def command_args(argv: list[str]):
     import argparse
 
