@@ -257,13 +257,16 @@ class SchedulerConfig:
     record_iterations: str | None = None
     # Admission (request_manager/admission.py). --admission slo admits a request while the
     # predicted TPOT is within slo_headroom of the SLO (and its predicted first token within
-    # slo_headroom of its TTFT objective): at 10x the sustainable rate on the
-    # development machine, admitted 120 ms requests ran 1-25% slower than predicted
+    # slo_headroom of its TTFT objective). 1.0 since 2026-11-29: the prediction already
+    # carries how much slower recent iterations ran than predicted (decode_slowdown), and
+    # against 0.85 it met more SLOs in 5 of 6 paired replays of the peer comparison
+    # (docs/results.md, "How much to refuse, measured in rounds"); 0.85 had been set when
+    # admitted 120 ms requests ran 1-25% slower than predicted at 10x the sustainable rate
     # (docs/results.md, "Overload"). Weights of the newest iteration in the moving averages
     # of the decode slowdown (period over prediction) and forward tokens per request, of
     # tokens emitted per request, and of host time per iteration (the plain mean over its
     # first 1 / host_ema samples).
-    slo_headroom: float = 0.85
+    slo_headroom: float = 1.0
     # A request refused only for the prompt tokens that prompts due after its first token
     # force into every forward is admitted over them; they yield (prefill.forced_chunk).
     prompts_yield: bool = True

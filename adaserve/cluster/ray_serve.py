@@ -62,7 +62,7 @@ from adaserve.api.logs import configure_logging
 from adaserve.api.metrics import ServerMetrics
 from adaserve.api.server import ModelInfo, make_app, model_info
 from adaserve.cluster.router import ReplicaStats, Router, replica_stats
-from adaserve.config import ServerConfig
+from adaserve.config import SchedulerConfig, ServerConfig
 from adaserve.request_manager.request import SamplingParams
 from adaserve.request_manager.structured import StructuredOutput
 
@@ -330,7 +330,7 @@ class SLORequestRouter(RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `headroom` and `ttft_budget_s` of `Router`."""
-        self.headroom = float(kwargs.get("headroom", 0.85))
+        self.headroom = float(kwargs.get("headroom", SchedulerConfig.slo_headroom))
         self.ttft_budget_s = float(kwargs.get("ttft_budget_s", 1.0))
         self._reserved: dict[ReplicaID, int] = {}
         self._stamps: dict[ReplicaID, float] = {}
@@ -412,6 +412,8 @@ def build_application(a: argparse.Namespace, cfg: ServerConfig, board: ray.actor
     }
     if a.router == "slo":
         router["request_router_class"] = SLORequestRouter
+        # The replicas' own admission margin: a replica the router deems feasible admits.
+        router["request_router_kwargs"] = {"headroom": a.slo_headroom}
     engine = serve.deployment(
         name=ENGINE_DEPLOYMENT,
         num_replicas=a.replicas,

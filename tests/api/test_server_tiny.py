@@ -406,12 +406,12 @@ def _tight_stream(engine: LLMEngine) -> Iterator[str]:
 
 def _behind_a_tight_stream(tiny_llama, hold: float, second: dict) -> tuple[httpx.Response, float]:
     """A request with `second`'s fields sent while a 100 ms stream decodes, on an engine whose
-    decode iteration costs 50 ms + 20 ms per request (so a second stream would make it 90 ms):
+    decode iteration costs 50 ms + 30 ms per request (so a second stream would make it 110 ms):
     its response and the seconds it took."""
     from tests.virtual_time import slow_forwards
 
     engine = slow_forwards(
-        make_engine(tiny_llama, max_num_seqs=8, admission_hold=hold), lambda n: 0.05 + 0.02 * n
+        make_engine(tiny_llama, max_num_seqs=8, admission_hold=hold), lambda n: 0.05 + 0.03 * n
     )
     with _tight_stream(engine) as url:
         start = time.monotonic()
@@ -440,9 +440,9 @@ def test_slo_admission_holds_a_request_until_a_stream_makes_room(tiny_llama) -> 
 def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
     tiny_llama, share: float
 ) -> None:
-    """A 100 ms stream decodes 400 tokens (~28 s of work on these 50 ms + 20 ms per request
+    """A 100 ms stream decodes 400 tokens (~32 s of work on these 50 ms + 30 ms per request
     forwards); a request refused for its SLO marks the server overloaded; then one needing
-    ~8 s (400 tokens beside the stream) is refused at arrival for its work (429 with
+    ~12 s (400 tokens beside the stream) is refused at arrival for its work (429 with
     Retry-After, the reason said), where without the rule (share 0) it is refused for the
     stream's SLO."""
     from tests.virtual_time import slow_forwards
@@ -455,7 +455,7 @@ def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
             admission_work_window_s=5.0,
             admission_work_share=share,
         ),
-        lambda n: 0.05 + 0.02 * n,
+        lambda n: 0.05 + 0.03 * n,
     )
     with _tight_stream(engine) as url:
         tight = complete(url, max_tokens=4, ignore_eos=True, slo_tpot_ms=1)
