@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
-from adaserve.request_manager.admission import Admission, forced_share
+from adaserve.request_manager.admission import Admission, forced_share, mean_depth
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.stats import IterationStats
 
@@ -233,3 +233,28 @@ def test_under_overload_the_requests_needing_the_least_compute_are_served_first(
     )
     off.judge(1.0, 100, max_tokens=64)
     assert all(off.judge(None, 4000, max_tokens=64) is None for _ in range(20)), "0: off"
+
+
+class PairCost(LinearCost):
+    """LinearCost plus 5 us for every key a prompt token attends."""
+
+    def predict(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> float:
+        return 0.02 + 0.001 * tokens + 5e-6 * silent_pairs
+
+
+def test_forced_chunks_are_priced_at_the_depth_they_will_run_at_not_where_the_prompt_begins():
+    # A 1,000-token document just begun (its first 10 tokens in), due in 8 s: its objective
+    # forces 4 tokens into every forward (248 forwards of ~26 ms). Over a new stream's life
+    # those chunks attend on average (10 + 1000) / 2 = 505 keys each, not the 10 where the
+    # document stands now: 4 x 505 + 10 pairs, 10 ms a forward more than priced at its start.
+    doc = _prompt(1000, due_in_s=8.0)
+    doc.num_cached = 10
+    assert mean_depth([doc]) == 505
+    adm = Admission(SchedulerConfig(), PairCost(), lambda: ([], [doc], []), lambda: NOW)
+    deep = 0.02 + 0.001 * (2 + 4) + 5e-6 * (4 * 505 + 10)
+    got = adm.predicted_tpot_s()
+    assert got is not None and abs(got - deep) < 1e-9, f"{got} s, not {deep} s at depth 505"
+    # Nearly done: the chunks left attend ~995 keys each.
+    doc.num_cached = 990
+    assert mean_depth([doc]) == 995
+    assert mean_depth([]) == 0
