@@ -188,6 +188,10 @@ class SchedulerConfig:
     # A stream far ahead of its pace lends up to this share of its banked time to one
     # iteration's prompt chunks (at least one pace; request_manager/prefill.py).
     slo_bank_spend: float = 0.5
+    # A stream ahead of its pace by two iterations sits out an iteration that would otherwise
+    # run longer than a tighter stream's pace affords (request_manager/pacing.py): on a
+    # compute-bound CPU forward every row lengthens every stream's gap.
+    slo_defer_rows: bool = True
     # A request that names no slo_ttft_ms gets a TTFT objective: default_ttft_floor_ms plus
     # default_ttft_factor x the time to prefill its prompt alone (request_manager/slo.py).
     # Chunked prefill sizes chunks to meet it; benchmarks count it in SLO attainment.

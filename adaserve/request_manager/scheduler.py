@@ -28,6 +28,7 @@ from adaserve.request_manager.drafters import Drafter
 from adaserve.request_manager.logits_process import needs_processing, process_tree_logits
 from adaserve.request_manager.logprobs import token_logprobs
 from adaserve.request_manager.output import OutputProcessor
+from adaserve.request_manager.pacing import deferred_rows
 from adaserve.request_manager.plan import ChunkItem, IterationPlan, TreeItem
 from adaserve.request_manager.policies import SpecShape
 from adaserve.request_manager.prefill import chunk_tokens, prefill_order, prefill_target
@@ -245,6 +246,7 @@ class Scheduler:
         if not (self.running or self.prefilling):
             return IterationPlan.empty(start, self.cfg.budget, idle=True)
         gap = self.admission.gap_s(start)
+        deferred: list[Request] = []
         if not self.cfg.chunked_prefill and self.prefilling:
             decoding: list[Request] = []  # a whole-prompt prefill iteration, as before chunking
             shape, cut_short = None, []
@@ -252,12 +254,32 @@ class Scheduler:
             shape = self.planner.shape(self.running) if self.running else None
             cut_short = self._make_room(shape)
             decoding = list(self.running)
+            deferred = self._deferred(decoding, start)
+            if deferred:
+                decoding = [r for r in decoding if r not in deferred]
         context = sum(r.num_cached for r in decoding)
         trees = self._plan_trees(decoding, shape, context)
         chunks = self._plan_chunks(decoding, trees, context)
         if not decoding and not chunks:  # _make_room finished the last request
             return IterationPlan.empty(start, self.cfg.budget, tuple(cut_short))
-        return self._build(decoding, trees, chunks, context, start, gap, cut_short)
+        plan = self._build(decoding, trees, chunks, context, start, gap, cut_short)
+        plan.stats.deferred_rows = len(deferred)
+        return plan
+
+    def _deferred(self, running: list[Request], now: float) -> list[Request]:
+        """Streams far ahead of their pace that sit out this iteration so that a tighter one
+        meets its SLO (`pacing.deferred_rows`; `--no-slo-defer-rows` keeps every row)."""
+        if not self.cfg.slo_defer_rows or self.cost is None or len(running) < 2:
+            return []
+        cfg = self.cfg
+        return deferred_rows(
+            self.admission.iteration_s,
+            running,
+            now,
+            cfg.slo_pace_margin,
+            cfg.slo_repay,
+            cfg.slo_bank_spend,
+        )
 
     def _plan_trees(
         self, decoding: list[Request], shape: SpecShape | None, context: int

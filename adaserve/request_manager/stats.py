@@ -21,6 +21,7 @@ class IterationStats:
     tree_tokens: int = 0  # non-root tree nodes verified
     accepted_tokens: int = 0  # non-root tree nodes accepted
     emitted_tokens: int = 0  # tokens committed (accepted + bonus)
+    deferred_rows: int = 0  # running streams ahead of their pace that sat out (pacing.py)
     budget: int = 0
     depth: int = 0
     width: int = 0

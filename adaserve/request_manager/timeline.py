@@ -4,7 +4,9 @@
 iteration that ran a forward:
 
     {"t": start (engine clock, s), "kind": "decode" | "prefill",
-     "decode_rows": decoding requests, "tree_tokens": verified nodes besides the roots,
+     "decode_rows": decoding requests, "deferred_rows": running streams ahead of
+     their pace that sat out (request_manager/pacing.py),
+     "tree_tokens": verified nodes besides the roots,
      "accepted": accepted nodes, "emitted": tokens committed,
      "prompt_tokens": {request id: prompt tokens computed now},
      "forward_tokens": tokens in the forward, "padded_tokens": with padding,
@@ -65,6 +67,7 @@ class IterationTimeline:
                 "t": round(plan.started_s, 6),
                 "kind": s.kind,
                 "decode_rows": len(plan.trees),
+                "deferred_rows": s.deferred_rows,
                 "tree_tokens": s.tree_tokens,
                 "accepted": s.accepted_tokens,
                 "emitted": s.emitted_tokens,
