@@ -8,7 +8,8 @@ its own pace while pushing the tight one past its SLO. Such a stream gives its r
     pace_r  = (1 - margin) * slo_r                  (the pace chunked prefill keeps, prefill.py)
     bank_r  = pace_r * o_r - l_r                    (time ahead of that pace: o_r tokens after
                                                      the first in l_r seconds since it)
-    T(rows) = the cost model's forward of one token per row, over the rows' contexts, + host
+    T(rows) = the cost model's forward of the rows (at the forward tokens a row recently
+              ran: its tree) over their contexts, + host time
     limit   = min over the rows kept of allow_r     (`prefill.tpot_time_limit`: the longest
                                                      iteration each stream's pace affords; a
                                                      stream that could not afford T of its row
@@ -62,8 +63,11 @@ def deferred_rows(
     margin: float,
     repay: float,
     spend: float,
+    tokens_per_row: float = 1.0,
 ) -> list[Request]:
-    """The running streams that sit out this iteration (the rule in the module docstring)."""
+    """The running streams that sit out this iteration (the rule in the module docstring);
+    `cost`: the iteration of that many rows with their trees, `tokens_per_row`: the tokens a
+    row recently emitted an iteration (speculation's e_r; a pace is per token)."""
     if len(running) < 2:
         return []
     banks = {id(r): bank_s(r, now, margin) for r in running}
@@ -74,7 +78,7 @@ def deferred_rows(
         # The tightest allowance among the kept streams that their row alone could meet.
         holder, limit = None, math.inf
         for r in kept:
-            allow = tpot_time_limit([r], [1.0], now, 0.0, margin, repay, spend)
+            allow = tpot_time_limit([r], [tokens_per_row], now, 0.0, margin, repay, spend)
             if allow is None or allow < cost(1, r.num_cached):
                 continue
             if allow < limit:

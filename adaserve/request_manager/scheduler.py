@@ -271,14 +271,24 @@ class Scheduler:
         meets its SLO (`pacing.deferred_rows`; `--no-slo-defer-rows` keeps every row)."""
         if not self.cfg.slo_defer_rows or self.cost is None or len(running) < 2:
             return []
-        cfg = self.cfg
+        cfg, adm = self.cfg, self.admission
+        per_row = adm.forward_tokens_per_request if cfg.speculative else 1.0
+
+        def rows_s(rows: int, context: int) -> float:
+            # Speculating rows verify trees: priced at the forward tokens a row recently ran,
+            # and paced by the tokens it recently emitted. Priced at one token each, a GPU
+            # batch of ~2.5-token trees looked over every pace and rows sat out that it had
+            # room for (paper-scale simulation: 54.5% against 68.0%).
+            return adm.iteration_s(max(rows, round(per_row * rows)), context)
+
         return deferred_rows(
-            self.admission.iteration_s,
+            rows_s,
             running,
             now,
             cfg.slo_pace_margin,
             cfg.slo_repay,
             cfg.slo_bank_spend,
+            adm.tokens_per_request if cfg.speculative else 1.0,
         )
 
     def _plan_trees(

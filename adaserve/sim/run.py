@@ -141,6 +141,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds between the replicas' stats refreshes the router ranks by (0: fresh "
         "at every arrival); in between it counts what it routed as reservations",
     )
+    p.add_argument(
+        "--no-slo-defer-rows",
+        action="store_true",
+        help="keep every running stream in every iteration (the server's --no-slo-defer-rows): "
+        "by default a stream far ahead of its pace sits out an iteration a tighter one needs",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -154,6 +160,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         max_num_seqs=a.max_num_seqs,
         chunked_prefill=not a.no_chunked_prefill,
         t_spec_init_s=cost.target.curve(budget, 256, 8),
+        slo_defer_rows=not a.no_slo_defer_rows,
     )
     acceptance = load_acceptance(a.acceptance) if a.acceptance else None
     return SimSetup(

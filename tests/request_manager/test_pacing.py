@@ -43,6 +43,18 @@ def test_loose_streams_far_ahead_sit_out_until_the_tight_one_meets_its_pace():
     assert defer(per_row(0.020), [tight, a, b, c]) == [a, b, c]
 
 
+def test_a_row_that_emits_two_tokens_an_iteration_affords_twice_the_time():
+    # Speculation: the tight stream's row emits ~2 tokens an iteration, so a 24 ms iteration
+    # is 12 ms a token, under its pace: nobody sits out (priced as one token a row, rows sat
+    # out that a GPU batch had room for).
+    tight = _streamed(22, 10, 0.209, NOW)
+    a, b, c = _streamed(91, 10, 0.2, NOW), _streamed(91, 5, 0.1, NOW), _streamed(91, 2, 0.02, NOW)
+    rows = [tight, a, b, c]
+    assert deferred_rows(per_row(0.006), rows, NOW, MARGIN, REPAY, SPEND, 2.0) == []
+    # Two paces are 41.8 ms: at 12 ms a row four rows take 48 ms, and one sits out (36 ms).
+    assert deferred_rows(per_row(0.012), rows, NOW, MARGIN, REPAY, SPEND, 2.0) == [a]
+
+
 def test_nothing_sits_out_when_every_pace_affords_the_batch():
     loose = [_streamed(91, 10, 0.2, NOW), _streamed(91, 5, 0.1, NOW), _streamed(91, 2, 0.02, NOW)]
     # 3 x 6 ms = 18 ms against 86 ms paces: no stream gains, so none is slowed.
