@@ -147,6 +147,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="keep every running stream in every iteration (the server's --no-slo-defer-rows): "
         "by default a stream far ahead of its pace sits out an iteration a tighter one needs",
     )
+    p.add_argument(
+        "--slo-headroom",
+        type=float,
+        default=SchedulerConfig.slo_headroom,
+        help="with --admission slo: admit while the predicted TPOT and first token are within "
+        "this share of their objectives (the server's --slo-headroom)",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -161,6 +168,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         chunked_prefill=not a.no_chunked_prefill,
         t_spec_init_s=cost.target.curve(budget, 256, 8),
         slo_defer_rows=not a.no_slo_defer_rows,
+        slo_headroom=a.slo_headroom,
     )
     acceptance = load_acceptance(a.acceptance) if a.acceptance else None
     return SimSetup(

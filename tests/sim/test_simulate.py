@@ -442,3 +442,20 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     assert "| adaserve (sim) |" in capsys.readouterr().out
     per_request = (tmp_path / "r.requests.jsonl").read_text().splitlines()
     assert len(per_request) == 48
+
+
+def test_the_server_s_admission_margin_and_row_deferral_are_simulate_flags() -> None:
+    import argparse
+
+    from adaserve.sim.run import add_arguments, setup_from_args
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    base = ["--trace", "t.json", "--policy", "adaserve"]
+    base += ["--cost-model", "roofline:llama-2-70b@a100-80gx4"]
+    default = setup_from_args(p.parse_args(base), "adaserve").sched
+    assert default.slo_headroom == SchedulerConfig().slo_headroom and default.slo_defer_rows
+    set_ = p.parse_args([*base, "--slo-headroom", "0.85", "--no-slo-defer-rows"])
+    sched = setup_from_args(set_, "adaserve").sched
+    assert sched.slo_headroom == 0.85, "--slo-headroom did not reach the scheduler"
+    assert not sched.slo_defer_rows, "--no-slo-defer-rows did not reach the scheduler"
