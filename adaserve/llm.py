@@ -161,8 +161,10 @@ class LLMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         arrival_time: float | None = None,
+        best_effort: bool = False,
     ) -> Request:
-        """Queue a request; raises ValueError naming the problem for bad input."""
+        """Queue a request; raises ValueError naming the problem for bad input. `best_effort`:
+        admission could not meet its SLO and serves it anyway (`Request.best_effort`)."""
         if not self.prepared:
             raise RuntimeError("an engine built with prepare=False serves after apply_profile")
         if params.n != 1:
@@ -185,6 +187,8 @@ class LLMEngine:
             default_seed=self.model_cfg.seed,
         )
         req.grammar = grammar
+        if best_effort:
+            req.best_effort = req.prefill_yields = True
         self.scheduler.add(req)
         return req
 

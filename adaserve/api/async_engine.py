@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from adaserve.api.logs import log_finished
 from adaserve.api.metrics import FinishedRequest, ServerMetrics
@@ -38,6 +38,8 @@ class Accepted:
     """The engine queued the request."""
 
     prompt_token_ids: list[int]
+    # Admission could not meet its TPOT SLO and serves it best effort (`Admission.best_effort`).
+    best_effort: bool = False
 
 
 @dataclass(frozen=True)
@@ -404,31 +406,39 @@ class AsyncEngine(StreamBook):
         ids = cmd.prompt_token_ids
         try:
             params = cmd.params
-            refusal = self._slo_refusal(cmd, len(ids), known_length=not cmd.fill_max_tokens)
-            if refusal is not None:
-                return refusal
-            if self._held and self._held[-1] is cmd:  # held just now
+            verdict = self._slo_refusal(cmd, len(ids), known_length=not cmd.fill_max_tokens)
+            if isinstance(verdict, Refused):
+                return verdict
+            if verdict == "held":
                 return None
             if cmd.fill_max_tokens:
                 params = replace(params, max_tokens=max(1, eng.max_model_len - len(ids)))
             self._check_fits_cache(len(ids))
             eng.add_request(
-                ids, params, request_id=cmd.stream.request_id, arrival_time=cmd.arrival_time
+                ids,
+                params,
+                request_id=cmd.stream.request_id,
+                arrival_time=cmd.arrival_time,
+                best_effort=verdict == "best_effort",
             )
         except Exception as exc:  # engine validation: bad input
             return Rejected(str(exc) or type(exc).__name__)
         self._streams[cmd.stream.request_id] = cmd.stream
-        return Accepted(list(ids))
+        return Accepted(list(ids), verdict == "best_effort")
 
-    def _slo_refusal(self, cmd: _Add, prompt_tokens: int, known_length: bool) -> Refused | None:
+    def _slo_refusal(
+        self, cmd: _Add, prompt_tokens: int, known_length: bool
+    ) -> Refused | Literal["admit", "held", "best_effort"]:
         """--admission slo: refuse a request when the current load cannot meet its TPOT SLO
         or its first token's objective, or admitting it would break an admitted request's
         (`Admission.judge`; its max_tokens only when the client set it). One refused for its
-        TPOT is held instead (appended to `_held`, None returned) while its hold lasts
+        TPOT is held instead (appended to `_held`, "held" returned) while its hold lasts
         (`Admission.hold_s`): streams finish every second here, and the first token it can
-        still get in time is worth more to its client than a 429 to retry after."""
+        still get in time is worth more to its client than a 429 to retry after. One still
+        refused for its TPOT when its hold runs out is served best effort when
+        `Admission.best_effort` allows ("best_effort"); "admit" admits it as asked."""
         if self.admission != "slo":
-            return None
+            return "admit"
         admission, params = self.engine.admission, cmd.params
         waited = max(0.0, time.monotonic() - cmd.arrival_time)
         why = admission.judge(
@@ -440,17 +450,26 @@ class AsyncEngine(StreamBook):
             key=cmd.stream.request_id,
         )
         if why is None:
-            return None
+            return "admit"
         if not why.first_token and waited < admission.hold_s(
             params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms
         ):
             self._held.append(cmd)
-            return None
+            return "held"
+        spare = None
+        if not why.first_token:
+            spare = admission.best_effort_refusal(
+                params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms, waited
+            )
+            if spare is None:
+                logger.info("best effort %s: %s", cmd.stream.request_id, why.message)
+                return "best_effort"
         logger.info(
-            "refused %s: %s [prediction: %s]",
+            "refused %s: %s [prediction: %s]%s",
             cmd.stream.request_id,
             why.message,
             ", ".join(f"{k} {v:.4g}" for k, v in admission.last_prediction.items()),
+            "" if spare is None else f" [not best effort: {spare}]",
         )
         return Refused(why.message)
 

@@ -112,6 +112,13 @@ class ServerMetrics:
             ["reason", "model_name"],
             registry=r,
         )
+        self.best_effort_requests = Counter(
+            "adaserve_requests_best_effort",
+            "Requests whose slo_tpot_ms --admission slo could not promise at their arrival's "
+            "load and served best effort instead of refusing (their SLO still judges them)",
+            cls,
+            registry=r,
+        )
         self.slo_attained = Counter(
             "adaserve_slo_attained",
             "Finished requests whose TPOT met their SLO and whose first token met its objective",
@@ -361,6 +368,7 @@ class ServerMetrics:
                 self.generation_tokens,
                 self.ttft_attained,
                 self.ttft_violated,
+                self.best_effort_requests,
             ):
                 metric.labels(name, m)
         for reason in ("stop", "length", "abort", "error"):
@@ -390,6 +398,10 @@ class ServerMetrics:
 
     def slo_class(self, slo_tpot_ms: float | None) -> str:
         return slo_class_of(slo_tpot_ms, self.slo_classes)
+
+    def best_effort(self, slo_tpot_ms: float | None) -> None:
+        """A request admitted best effort (`Admission.best_effort`)."""
+        self.best_effort_requests.labels(self.slo_class(slo_tpot_ms), self.model_name).inc()
 
     def reject(self, reason: str) -> None:
         """A request refused before the engine (`reason`: queue_full, unauthorized, ...)."""

@@ -80,6 +80,9 @@ def slo_from_headers(headers: Mapping[str, str]) -> dict[str, float]:
 # A client's own request id (X-Request-Id): echoed back, and part of the server's id, so one
 # id follows the request through proxies, responses and the server log.
 REQUEST_ID_HEADER = "x-request-id"
+# Set to "best-effort" on a response whose slo_tpot_ms admission could not promise at the load
+# it arrived at and served anyway (`Admission.best_effort`); absent otherwise.
+SLO_ADMISSION_HEADER = "X-SLO-Admission"
 MAX_REQUEST_ID_LEN = 128
 
 
@@ -249,14 +252,19 @@ class OpenAIServing:
             for j in range(n)
         ]
         try:
-            prompt_ids = [await self._accepted(s, chat) for s in streams]
+            accepted = [await self._accepted(s, chat) for s in streams]
         except BaseException:  # refused, or cancelled (client gone): leave none running
             for s in streams:
                 self.engine.abort(s)
             raise
-        reply = Reply(rid, self.model_name, chat, body, prompt_ids, n)
+        reply = Reply(rid, self.model_name, chat, body, [a.prompt_token_ids for a in accepted], n)
         # The client's own id when it sent one (`echo_request_id` adds it to every response).
         own_id = {} if REQUEST_ID_HEADER in request.headers else {"X-Request-Id": rid}
+        if any(a.best_effort for a in accepted):
+            # Its slo_tpot_ms could not be promised at this load: served in the time the
+            # admitted SLOs leave (Admission.best_effort), and said so before any token.
+            own_id[SLO_ADMISSION_HEADER] = "best-effort"
+            self.engine.metrics.best_effort(params.slo_tpot_ms)
         if body.stream:
             return StreamingResponse(
                 self._sse(streams, reply),
@@ -266,8 +274,8 @@ class OpenAIServing:
             )
         return await self._collect(request, streams, reply, own_id)
 
-    async def _accepted(self, stream: RequestStream, chat: bool) -> list[int]:
-        """The prompt ids of a submitted request once the engine took it, else its APIError."""
+    async def _accepted(self, stream: RequestStream, chat: bool) -> Accepted:
+        """The engine's acceptance of a submitted request (its prompt ids), else its APIError."""
         first = await stream.get()
         if isinstance(first, EngineFailed):  # the engine stopped before it saw the request
             raise APIError(
@@ -295,7 +303,7 @@ class OpenAIServing:
                 )
             raise APIError(400, first.message, param="prompt")
         assert isinstance(first, Accepted)
-        return first.prompt_token_ids
+        return first
 
     def _abort_all(self, streams: list[RequestStream]) -> None:
         for s in streams:

@@ -7,6 +7,7 @@ prefill prices iterations through `iteration_s` (the cost model's forward plus h
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.prefill import (
     OVERTAKE_S,
+    STARVE_FACTOR,
     forced_chunk,
     prefill_deadline,
     prefill_target,
@@ -153,14 +155,16 @@ class Admission:
         `max_tokens` pays that slowdown over its whole life (a time per output token is its
         mean), so it is spread over the iterations it will decode (`forced_share`). With
         `prompts_yield`, those prompts yield to it (`refusal`) and slow nothing.
-        Every row counts, also those row deferral (`pacing.py`) would let sit out: priced
+        Requests served best effort do not count: their rows sit out first and their
+        prompts go last. Every other row counts, also those row deferral (`pacing.py`) would
+        let sit out: priced
         at the rows its streams could give away, the tight streams admitted into that time
         left the prompts little, and the 0.5-rps replay met 79-81% of SLOs against 87.5%
         (docs/results.md, "Streams ahead of their pace").
         None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
-        running, prefilling, waiting = self.queues()
+        running, prefilling, waiting = ([r for r in q if not r.best_effort] for q in self.queues())
         reqs = [*running, *prefilling, *waiting]
         n = min(len(reqs) + extra, self.cfg.max_num_seqs)
         context = sum(r.num_tokens for r in reqs[:n])
@@ -342,6 +346,40 @@ class Admission:
             return 0.0
         return self.cfg.admission_hold * objective_ms / 1000.0
 
+    def best_effort_refusal(
+        self,
+        slo_tpot_ms: float | None,
+        prompt_tokens: int,
+        slo_ttft_ms: float | None,
+        waited_s: float = 0.0,
+    ) -> str | None:
+        """Why a request refused for its TPOT, its hold over (`hold_s`), cannot be served best
+        effort instead of refused; None when it can: while fewer than `admission_best_effort`
+        requests are served so, when its SLO could be met alone (one no load can meet is
+        refused: retrying will not help, relaxing it will), and when its first token, its
+        prompt prefilled after every other, is predicted within STARVE_FACTOR (2) x its TTFT
+        objective (later, it would be queued). Its row sits out before any stream's
+        (`pacing.deferred_rows`) and its prompt takes only the time the streams' paces leave
+        (prefill.py), so the SLOs admitted keep what they were admitted with; it gets the
+        time they leave, and its output counts (a 429 serves none of it)."""
+        cap = self.cfg.admission_best_effort
+        if cap <= 0 or self.cost is None:
+            return "best effort is off"
+        running, prefilling, waiting = self.queues()
+        if sum(r.best_effort for r in (*running, *prefilling, *waiting)) >= cap:
+            return f"--admission-best-effort {cap}: as many are served best effort already"
+        alone_s = self.iteration_s(1, prompt_tokens) / self.tokens_per_request
+        if slo_tpot_ms is not None and 1000.0 * alone_s > self.cfg.slo_headroom * slo_tpot_ms:
+            return f"its SLO cannot be met even alone ({1000.0 * alone_s:.0f} ms)"
+        objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
+        if objective_ms is None:
+            return None
+        ttft = self.predicted_ttft_s(prompt_tokens, math.inf)
+        limit_s = STARVE_FACTOR * objective_ms / 1000.0
+        if ttft is not None and waited_s + ttft > limit_s:
+            return f"its first token would come after {waited_s + ttft:.1f} s (limit {limit_s:.1f})"
+        return None
+
     def judge(
         self,
         slo_tpot_ms: float | None,
@@ -445,7 +483,7 @@ class Admission:
                 f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
             )
         running, prefilling, waiting = self.queues()
-        admitted = [r.params.slo_tpot_ms for r in (*running, *prefilling, *waiting)]
+        admitted = [r.paced_slo_tpot_ms for r in (*running, *prefilling, *waiting)]
         held = min((s for s in admitted if s is not None), default=None)
         if held is not None and ms > headroom * held:
             return (

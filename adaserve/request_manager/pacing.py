@@ -19,6 +19,10 @@ its own pace while pushing the tight one past its SLO. Such a stream gives its r
                                                      must, the next, and is still ahead of its
                                                      pace), never the row that sets the limit
 
+A stream served best effort (`Request.best_effort`: admission could not meet its SLO and
+served it anyway) keeps no pace: it sets no limit, and its row sits out before any other, the
+latest admitted first, whatever its bank.
+
 Nothing is deferred while every stream's pace affords the whole batch: streams are not slowed
 toward their SLO when no other stream gains by it. A deferred stream comes back as soon as its
 bank falls under two iterations, so it keeps its own pace; the time it gives shortens the
@@ -49,7 +53,7 @@ DEFER_BANK_ITERATIONS = 2.0
 def bank_s(req: Request, now: float, margin: float) -> float | None:
     """Seconds the stream is ahead of (1 - margin) x its SLO pace (negative: behind); None
     without an SLO or before its first token."""
-    slo_ms, first = req.params.slo_tpot_ms, req.metrics.first_token_time
+    slo_ms, first = req.paced_slo_tpot_ms, req.metrics.first_token_time
     if slo_ms is None or first is None:
         return None
     pace = (1.0 - margin) * slo_ms / 1000.0
@@ -64,15 +68,29 @@ def deferred_rows(
     repay: float,
     spend: float,
     tokens_per_row: float = 1.0,
+    slowdown: float = 1.0,
 ) -> list[Request]:
     """The running streams that sit out this iteration (the rule in the module docstring);
     `cost`: the iteration of that many rows with their trees, `tokens_per_row`: the tokens a
-    row recently emitted an iteration (speculation's e_r; a pace is per token)."""
+    row recently emitted an iteration (speculation's e_r; a pace is per token), `slowdown`:
+    how much longer recent iterations ran than `cost` said (>= 1), by which a row served best
+    effort is priced: it takes the time the paces leave as it will run, not as predicted."""
     if len(running) < 2:
         return []
     banks = {id(r): bank_s(r, now, margin) for r in running}
     kept = list(running)
     deferred: list[Request] = []
+    # Rows served best effort go first, while the batch is over some paced stream's pace:
+    # best effort takes no banked time (that is the prompts'), and a stream behind its pace
+    # repays its deficit from the time best effort would take.
+    spare = [r for r in kept if r.best_effort]
+    while spare and len(kept) > 1:
+        t = max(1.0, slowdown) * cost(len(kept), sum(r.num_cached for r in kept))
+        if t <= _paced_limit(cost, kept, now, margin, repay, tokens_per_row):
+            break
+        pick = spare.pop()
+        kept.remove(pick)
+        deferred.append(pick)
     while len(kept) > 1:
         t = cost(len(kept), sum(r.num_cached for r in kept))
         # The tightest allowance among the kept streams that their row alone could meet.
@@ -85,7 +103,9 @@ def deferred_rows(
                 holder, limit = r, allow
         if t <= limit:
             break
-        able = [
+        # A stream served best effort keeps no pace: its row goes first, bank or not.
+        spare = [r for r in kept if r.best_effort]
+        able = spare or [
             r
             for r in kept
             if r is not holder
@@ -94,7 +114,30 @@ def deferred_rows(
         ]
         if not able:
             break
-        pick = max(able, key=lambda r: banks[id(r)] or 0.0)
+        pick = spare[-1] if spare else max(able, key=lambda r: banks[id(r)] or 0.0)
         kept.remove(pick)
         deferred.append(pick)
     return deferred
+
+
+def _paced_limit(
+    cost: RowCostFn,
+    rows: Sequence[Request],
+    now: float,
+    margin: float,
+    repay: float,
+    tokens_per_row: float,
+) -> float:
+    """The longest iteration that keeps every paced stream among `rows` at its pace without
+    lending its bank (`prefill.tpot_time_limit`, not banked: a stream behind its pace still
+    repays), never under one row of its own; a stream whose pace cannot afford its own row
+    is left out. inf when none is paced."""
+    limit = math.inf
+    for r in rows:
+        slo_ms, floor = r.paced_slo_tpot_ms, cost(1, r.num_cached)
+        if slo_ms is None or (1.0 - margin) * slo_ms / 1000.0 * tokens_per_row < floor:
+            continue
+        allow = tpot_time_limit([r], [tokens_per_row], now, floor, margin, repay, 0.0, False)
+        if allow is not None:
+            limit = min(limit, allow)
+    return limit

@@ -42,7 +42,11 @@ the prompts behind it, whose deadlines do; with no deadline left to meet, the mi
 keeps the queue moving. A prompt that
 yields to streams admission let in over it (`Request.prefill_yields`) forces nothing: it
 rides in the streams' slack until it has waited STARVE_FACTOR (2) x its objective, then
-forces as any other.
+forces as any other. A prompt served best effort (`Request.best_effort`) forces nothing,
+ever, goes after every prompt with a deadline, and takes none of the time sized for them;
+at the head of the queue it gets no banked time and no stream is left out as lost: T_max
+over every stream of max(T(n_tree, ctx), pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r,
+0)), only the time left at every stream's pace.
 """
 
 from __future__ import annotations
@@ -76,10 +80,11 @@ OVERTAKE_S = 0.25
 
 def prefill_deadline(req: Request) -> float:
     """When a prefilling request's first token is due: -inf for a preempted stream's
-    recomputation (its user is already reading), +inf without a TTFT objective."""
+    recomputation (its user is already reading), +inf without a TTFT objective or served best
+    effort (its prompt goes after every prompt with a deadline)."""
     if req.output_token_ids:
         return -math.inf
-    if req.ttft_objective_ms is None:
+    if req.ttft_objective_ms is None or req.best_effort:
         return math.inf
     return req.metrics.arrival_time + req.ttft_objective_ms / 1000.0
 
@@ -111,24 +116,31 @@ def tpot_time_limit(
     margin: float = SchedulerConfig.slo_pace_margin,
     repay: float = SchedulerConfig.slo_repay,
     spend: float = SchedulerConfig.slo_bank_spend,
+    banked: bool = True,
 ) -> float | None:
     """T_max: the longest iteration every running request with an SLO can afford (seconds).
 
-    Requests that cannot afford even `floor_s` (the decode part alone) are left out.
+    Requests that cannot afford even `floor_s` (the decode part alone) are left out. Without
+    `banked` (what best effort gets), no stream lends banked time and none is left out: only
+    the time left at every stream's pace, a stream behind its pace repaying first.
     """
     limit = None
     for r, e in zip(running, expected_tokens):
-        slo_ms, first = r.params.slo_tpot_ms, r.metrics.first_token_time
+        slo_ms, first = r.paced_slo_tpot_ms, r.metrics.first_token_time
         if slo_ms is None or first is None:
             continue
         pace = (1.0 - margin) * slo_ms / 1000.0
         bank = pace * (len(r.output_token_ids) - 1) - (now - first)
         due = pace * e  # this iteration's share at its pace
-        if due + min(max(bank, 0.0), pace) < floor_s:
+        if banked and due + min(max(bank, 0.0), pace) < floor_s:
             continue  # lost even without prefill: it does not hold prompts back
-        # Banked time is spent on prompts: one pace, or a share of a larger bank (TPOT is the
-        # stream's mean: a stream well ahead affords one longer gap that finishes a prompt).
-        allow = max(floor_s, due + min(max(bank, -repay * due), max(pace, spend * bank)))
+        if banked:
+            # Banked time is spent on prompts: one pace, or a share of a larger bank (TPOT is
+            # the stream's mean: a stream well ahead affords one longer gap that finishes a
+            # prompt).
+            allow = max(floor_s, due + min(max(bank, -repay * due), max(pace, spend * bank)))
+        else:
+            allow = max(floor_s, due + max(min(bank, 0.0), -repay * due))
         limit = allow if limit is None else min(limit, allow)
     return limit
 
@@ -202,8 +214,8 @@ def forced_chunk(
     for r in prefilling:
         remaining = ahead + prefill_target(r) - r.num_cached
         ahead = remaining
-        if r.prefill_yields and not starving(r, now):
-            continue
+        if r.best_effort or (r.prefill_yields and not starving(r, now)):
+            continue  # best effort never forces: it takes only time no stream's pace needs
         floor = min_prefill_chunk
         ttft_ms = r.ttft_objective_ms
         if ttft_ms is not None:
@@ -249,13 +261,15 @@ def chunk_tokens(
     tile_tokens: int | None = None,
 ) -> int:
     """Prompt tokens to prefill in this iteration (the rule in the module docstring);
-    `tile_tokens`: the runner's `attention_tile_tokens` (`tiled_chunk`)."""
+    `tile_tokens`: the runner's `attention_tile_tokens` (`tiled_chunk`). A queue headed by a
+    prompt served best effort (every prompt in it is: they go last) gets no banked time."""
     pending = sum(prefill_target(r) - r.num_cached for r in prefilling)
     if pending <= 0:
         return 0
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
-    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend)
+    banked = not prefilling[0].best_effort
+    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend, banked)
     if iteration_cap_s:
         # A prompt arriving now waits for this whole iteration: never longer than the cap
         # (a TTFT objective's forced chunk below still may be).

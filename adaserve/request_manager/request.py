@@ -263,6 +263,10 @@ class Request:
         # Admission let a stream in over this prompt (`Admission.refusal`): its TTFT objective
         # no longer forces prompt tokens into the streams' forwards (prefill.forced_chunk).
         self.prefill_yields = False
+        # Admission could not meet its TPOT SLO and served it anyway, best effort
+        # (`Admission.best_effort`): the scheduler keeps no pace for it (`paced_slo_tpot_ms`),
+        # its row sits out first (pacing.py) and its prompt goes last (prefill.py).
+        self.best_effort = False
         # KV state. Target: `num_cached` entries are committed tokens (all tokens but the root).
         self.block_table: list[int] = []
         self.num_cached = 0
@@ -293,6 +297,12 @@ class Request:
         # With params.structured_output: where the output stands in its grammar (LLMEngine
         # builds it; every appended token advances it).
         self.grammar: Grammar | None = None
+
+    @property
+    def paced_slo_tpot_ms(self) -> float | None:
+        """The TPOT SLO the scheduler paces this request at: None while it is served best
+        effort (its own slo_tpot_ms still judges it in metrics and benchmarks)."""
+        return None if self.best_effort else self.params.slo_tpot_ms
 
     @property
     def ttft_objective_ms(self) -> float | None:

@@ -289,6 +289,7 @@ class Scheduler:
             cfg.slo_repay,
             cfg.slo_bank_spend,
             adm.tokens_per_request if cfg.speculative else 1.0,
+            adm.decode_slowdown or 1.0,
         )
 
     def _plan_trees(
@@ -309,8 +310,17 @@ class Scheduler:
         self.prefilling[:] = prefill_order(self.prefilling)
         assert self.cost is not None
         tree_tokens = sum(len(s) for s in plan.selections)
+        # Prompts served best effort (every prompt is, when one heads the queue) are priced as
+        # iterations have recently run: they take the time the paces leave, not a prediction.
+        slowdown = 1.0
+        if self.prefilling[0].best_effort:
+            slowdown = max(1.0, self.admission.decode_slowdown or 1.0)
+
+        def cost(tokens: int, context: int, silent: int = 0, pairs: int = 0) -> float:
+            return slowdown * self.admission.iteration_s(tokens, context, silent, pairs)
+
         budget = chunk_tokens(
-            self.admission.iteration_s,
+            cost,
             decoding,
             plan.expected_tokens,
             self.prefilling,
@@ -326,9 +336,12 @@ class Scheduler:
             self.cfg.prefill_iteration_ms / 1000.0,
             self.engine.target.attention_tile_tokens,
         )
-        chunks = []
+        chunks: list[tuple[Request, int]] = []
         for r in self.prefilling:
-            if budget <= 0:
+            # Prompts served best effort come last and take none of the time sized for the
+            # prompts before them (their deadlines, the streams' banks): only a queue they head
+            # sizes a chunk for them, from the time left at every stream's pace.
+            if budget <= 0 or (r.best_effort and chunks):
                 break
             n = min(budget, prefill_target(r) - r.num_cached)
             if n > 0:

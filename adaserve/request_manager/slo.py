@@ -46,7 +46,7 @@ def slo_requirements(
     caps: list[float | None] = []
     needs: list[float | None] = []
     for r in requests:
-        slo_ms = r.params.slo_tpot_ms
+        slo_ms = r.paced_slo_tpot_ms
         first = r.metrics.first_token_time
         if slo_ms is None or first is None:
             caps.append(None)

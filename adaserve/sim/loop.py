@@ -182,6 +182,9 @@ def simulate(
                 router.routed(where)
             elif why is not None and _holds(reps[why_at], b, why, 0.0):
                 held.append((b, i, why_at))
+            elif why is not None and _best_effort(reps[why_at], b, why, 0.0):
+                live.append((b, _admit(reps[why_at], b, i, rng, b.send_time_s, True)))
+                router.routed(why_at)
             else:
                 refused.append(_refused(b, why.message if why else "no replica"))
             i += 1
@@ -209,6 +212,9 @@ def simulate(
                 router.routed(k)
             elif _holds(rep, b, why, waited):
                 still.append((b, j, k))
+            elif _best_effort(rep, b, why, waited):
+                live.append((b, _add(rep.sched, b, j, rng, True)))
+                router.routed(k)
             else:
                 refused.append(_refused(b, why.message))
         held = still
@@ -252,10 +258,26 @@ def _holds(rep: _Replica, b: BenchRequest, why: Refusal, waited: float) -> bool:
     return not why.first_token and waited < hold
 
 
-def _admit(rep: _Replica, b: BenchRequest, i: int, rng: random.Random, now: float) -> Request:
+def _best_effort(rep: _Replica, b: BenchRequest, why: Refusal, waited: float) -> bool:
+    """A request refused for its TPOT whose hold is over is served best effort on `rep` when
+    its admission allows (`Admission.best_effort`), as that server's engine thread would."""
+    adm = rep.sched.admission
+    return not why.first_token and (
+        adm.best_effort_refusal(b.slo_tpot_ms, _prompt_len(rep.sched, b), None, waited) is None
+    )
+
+
+def _admit(
+    rep: _Replica,
+    b: BenchRequest,
+    i: int,
+    rng: random.Random,
+    now: float,
+    best_effort: bool = False,
+) -> Request:
     if not rep.sched.has_unfinished():
         rep.clock.jump_to(now)
-    return _add(rep.sched, b, i, rng)
+    return _add(rep.sched, b, i, rng, best_effort)
 
 
 def _iterate(
@@ -299,13 +321,16 @@ def _prompt_len(sched: Scheduler, b: BenchRequest) -> int:
     return max(1, min(n, sched.engine.max_model_len - b.max_tokens - 1))
 
 
-def _add(sched: Scheduler, b: BenchRequest, i: int, rng: random.Random) -> Request:
+def _add(
+    sched: Scheduler, b: BenchRequest, i: int, rng: random.Random, best_effort: bool = False
+) -> Request:
     n = _prompt_len(sched, b)
     params = SamplingParams(
         max_tokens=b.max_tokens, temperature=0.0, ignore_eos=True, slo_tpot_ms=b.slo_tpot_ms
     )
     prompt = [rng.randrange(SIM_VOCAB) for _ in range(max(1, n))]
     req = Request(f"sim-{i}", prompt, params, arrival_time=b.send_time_s)
+    req.best_effort = req.prefill_yields = best_effort
     sched.add(req)
     return req
 

@@ -154,6 +154,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --admission slo: admit while the predicted TPOT and first token are within "
         "this share of their objectives (the server's --slo-headroom)",
     )
+    p.add_argument(
+        "--admission-best-effort",
+        type=int,
+        default=SchedulerConfig.admission_best_effort,
+        metavar="N",
+        help="with --admission slo: serve a request still refused for its TPOT when its hold "
+        "runs out best effort, while fewer than N are (the server's --admission-best-effort; "
+        "0 refuses it)",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -169,6 +178,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         t_spec_init_s=cost.target.curve(budget, 256, 8),
         slo_defer_rows=not a.no_slo_defer_rows,
         slo_headroom=a.slo_headroom,
+        admission_best_effort=a.admission_best_effort,
     )
     acceptance = load_acceptance(a.acceptance) if a.acceptance else None
     return SimSetup(

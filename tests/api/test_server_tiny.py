@@ -389,9 +389,10 @@ def test_slo_admission_protects_the_slos_of_admitted_requests(tiny_llama) -> Non
 
 
 @contextlib.contextmanager
-def _tight_stream(engine: LLMEngine) -> Iterator[str]:
+def _tight_stream(engine: LLMEngine, metrics: dict | None = None) -> Iterator[str]:
     """A server on `engine` (its URL) while a 100 ms stream of 400 tokens decodes on it; on
-    leaving, that stream has been served and its KV freed."""
+    leaving, that stream has been served and its KV freed, and the server's /metrics then are
+    in `metrics`."""
     with ThreadServer(build_app(engine, ServerConfig())) as srv:
         first: dict = {}
         body = dict(max_tokens=400, ignore_eos=True, slo_tpot_ms=100)
@@ -402,18 +403,25 @@ def _tight_stream(engine: LLMEngine) -> Iterator[str]:
         t.join(60)
         assert first["r"].status_code == 200, first["r"].text
         wait_for(lambda: engine.engine.target.cache.allocator.num_used == 0, 10, "KV freed")
+        if metrics is not None:
+            metrics.update(read_metrics(srv.url))
 
 
-def _behind_a_tight_stream(tiny_llama, hold: float, second: dict) -> tuple[httpx.Response, float]:
+def _behind_a_tight_stream(
+    tiny_llama, hold: float, second: dict, best_effort: int = 0, metrics: dict | None = None
+) -> tuple[httpx.Response, float]:
     """A request with `second`'s fields sent while a 100 ms stream decodes, on an engine whose
     decode iteration costs 50 ms + 30 ms per request (so a second stream would make it 110 ms):
-    its response and the seconds it took."""
+    its response and the seconds it took; the server's /metrics at the end into `metrics`."""
     from tests.virtual_time import slow_forwards
 
     engine = slow_forwards(
-        make_engine(tiny_llama, max_num_seqs=8, admission_hold=hold), lambda n: 0.05 + 0.03 * n
+        make_engine(
+            tiny_llama, max_num_seqs=8, admission_hold=hold, admission_best_effort=best_effort
+        ),
+        lambda n: 0.05 + 0.03 * n,
     )
-    with _tight_stream(engine) as url:
+    with _tight_stream(engine, metrics) as url:
         start = time.monotonic()
         r = complete(url, max_tokens=4, ignore_eos=True, **second)
         took = time.monotonic() - start
@@ -436,6 +444,25 @@ def test_slo_admission_holds_a_request_until_a_stream_makes_room(tiny_llama) -> 
     assert "past their slo_tpot_ms 100" in refused.text, refused.text
 
 
+def test_a_request_the_load_cannot_promise_is_served_best_effort_and_told_so(tiny_llama) -> None:
+    """The same request, not held (--admission-hold 0), with --admission-best-effort 1: its
+    SLO could be met alone, so it is served best effort instead of refused (its row sits out
+    whenever the 100 ms stream's pace needs it to), and the response says so before any token;
+    the 100 ms stream keeps its SLO and the counter counts one."""
+    m: dict = {}
+    second = {"slo_tpot_ms": 1000, "slo_ttft_ms": 30_000}
+    served, _ = _behind_a_tight_stream(tiny_llama, 0.0, second, best_effort=1, metrics=m)
+    assert served.status_code == 200, served.text
+    assert served.headers.get("x-slo-admission") == "best-effort", served.headers
+    assert served.json()["usage"]["completion_tokens"] == 4
+    assert metric(m, "adaserve_requests_best_effort_total") == 1
+    assert metric(m, "adaserve_tpot_slo_violated_total") == 0, "an SLO was missed"
+    assert metric(m, "adaserve_tpot_slo_attained_total") == 2
+    # One whose SLO no load can meet (10 ms against 80 ms alone) is refused all the same.
+    impossible, _ = _behind_a_tight_stream(tiny_llama, 0.0, {"slo_tpot_ms": 10}, best_effort=1)
+    assert impossible.status_code == 429, impossible.text
+
+
 @pytest.mark.parametrize("share", [0.85, 0.0])
 def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
     tiny_llama, share: float
@@ -454,6 +481,7 @@ def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
             admission_hold=0.0,
             admission_work_window_s=5.0,
             admission_work_share=share,
+            admission_best_effort=0,  # refused for the stream's SLO, not served best effort
         ),
         lambda n: 0.05 + 0.03 * n,
     )

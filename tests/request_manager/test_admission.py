@@ -258,3 +258,44 @@ def test_forced_chunks_are_priced_at_the_depth_they_will_run_at_not_where_the_pr
     doc.num_cached = 990
     assert mean_depth([doc]) == 995
     assert mean_depth([]) == 0
+
+
+def test_a_request_the_load_cannot_promise_is_served_best_effort_while_few_are():
+    """Three 100 ms streams run (a decode of the four rows a newcomer would make: 24 ms). A
+    23 ms request is refused for its TPOT; its SLO could be met alone (21 ms a token), so it
+    is served best effort while fewer than `admission_best_effort` are. Once served so, it
+    prices no newcomer and holds no one's SLO: its row sits out first."""
+    streams = [Request(f"r{i}", [1] * 10, SamplingParams(slo_tpot_ms=100)) for i in range(3)]
+    prompts: list[Request] = []
+    adm = Admission(
+        SchedulerConfig(admission_best_effort=1),
+        LinearCost(),
+        lambda: (streams, prompts, []),
+        lambda: NOW,
+    )
+    why = adm.judge(23.0, 100)
+    assert why is not None and "cannot be met" in why.message and not why.first_token
+    assert adm.best_effort_refusal(23.0, 100, None) is None
+    why = adm.best_effort_refusal(20.0, 100, None)
+    assert why == "its SLO cannot be met even alone (21 ms)", why
+    # The first token: 100 tokens at 833 a second (0.12 s alone) behind a 480-token prompt
+    # that is prefilling: 0.7 s, against twice the default objective (1 s + 4 x 0.12 s).
+    prompts.append(_prompt(480, due_in_s=1.2))
+    assert adm.best_effort_refusal(23.0, 100, None, waited_s=2.2) is None
+    why = adm.best_effort_refusal(23.0, 100, None, waited_s=2.4)
+    assert why == "its first token would come after 3.1 s (limit 3.0)", why
+    prompts.clear()
+    # Served best effort (with a 10 ms SLO no load meets, to show it holds nobody's).
+    spare = Request("b", [1] * 10, SamplingParams(slo_tpot_ms=10))
+    before = adm.predicted_tpot_s()
+    streams.append(spare)
+    assert adm.refusal(100.0) is not None, "a 10 ms stream served with its SLO refuses all"
+    spare.best_effort = True
+    assert adm.predicted_tpot_s() == before, "a best-effort row prices no newcomer"
+    assert adm.refusal(100.0) is None
+    why = adm.best_effort_refusal(23.0, 100, None)
+    assert why == "--admission-best-effort 1: as many are served best effort already", why
+    off = Admission(
+        SchedulerConfig(admission_best_effort=0), LinearCost(), lambda: ([], [], []), lambda: NOW
+    )
+    assert off.best_effort_refusal(23.0, 100, None) == "best effort is off"

@@ -443,6 +443,16 @@ def test_prompts_are_prefilled_earliest_ttft_deadline_first(target):
     close.ttft_objective_ms = 1000.0  # due 0.05 s after "soon": arrival order kept
     queue = prefill_order([none, later, soon, close, late, resumed])
     assert [r.request_id for r in queue] == ["resumed", "late", "soon", "close", "later", "none"]
+    # A prompt served best effort goes after every prompt with a deadline, its own objective
+    # (the earliest here) notwithstanding; arrival order among those without one.
+    spare = Request("spare", [1] * 8, SamplingParams(), arrival_time=now - 40)
+    spare.ttft_objective_ms = 100.0
+    spare.best_effort = True
+    queue = prefill_order([none, later, spare, soon, close, late, resumed])
+    assert [r.request_id for r in queue] == [
+        *("resumed", "late", "soon", "close", "later"),
+        *("spare", "none"),
+    ]
 
 
 @pytest.mark.parametrize("cap_ms", [500.0, 0.0])

@@ -146,3 +146,25 @@ def test_streams_that_sit_out_emit_exactly_their_greedy_output(target, policy: s
         for p, sp in zip(prompts, plain)
     ]
     assert [r.output_token_ids for r in reqs] == alone, "deferral changed a greedy output"
+
+
+def test_a_stream_served_best_effort_sits_out_first_and_sets_no_limit():
+    # 6 ms a row: the tight stream (at its 20.9 ms pace) affords three rows, not four.
+    tight = _streamed(22, 10, 0.209, NOW)
+    banked = _streamed(91, 10, 0.2, NOW)  # 0.66 s ahead of its pace
+    spare = _streamed(22, 10, 0.5, NOW)  # far behind its pace: admission could not meet it
+    other = _streamed(91, 1, 0.08, NOW)  # 6 ms ahead: no bank to give
+    spare.best_effort = True
+    assert spare.paced_slo_tpot_ms is None and spare.params.slo_tpot_ms == 22
+    # Served best effort it goes before the banked stream, though it has no bank at all.
+    assert defer(per_row(0.006), [tight, banked, spare, other]) == [spare]
+    # Not served best effort, it is a stream 0.3 s behind its pace: it sets the tightest
+    # limit (half a pace, 10.5 ms, repaying its deficit), never sits out itself, and the
+    # banked stream goes instead.
+    spare.best_effort = False
+    assert defer(per_row(0.006), [tight, banked, spare, other]) == [banked]
+    # Whatever best-effort streams there are, none sits out while every pace affords the
+    # batch: best effort gets the time the SLOs leave.
+    spare.best_effort = True
+    assert defer(per_row(0.006), [tight, spare]) == []
+    assert defer(per_row(0.004), [tight, banked, spare, other]) == []

@@ -24,3 +24,26 @@ def test_overload_refuses_at_arrival_and_the_admitted_keep_their_slo() -> None:
     assert q["tpot_slo_attainment"] < 0.5
     assert s["admitted_slo_attainment"] > 0.9
     assert s["slo_attainment"] > q["slo_attainment"]
+
+
+def test_best_effort_serves_what_admission_refuses_and_takes_nothing_from_the_admitted() -> None:
+    # The overload above: admission admits 39 of the 120 at their 40 ms SLO. Served best
+    # effort (at most two at a time) instead of refused, two more run in the time left at
+    # every admitted stream's pace: each admitted request still meets its SLO, its first
+    # token exactly when it came without them, and the two complete all their tokens.
+    reqs = bench_requests(120, 0.01, prompt_words=16, out=64, slo=40.0)
+    off = simulate(
+        reqs,
+        setup(
+            "incremental", LinearCost(), max_num_seqs=256, admission="slo", admission_best_effort=0
+        ),
+    ).records
+    on = simulate(
+        reqs, setup("incremental", LinearCost(), max_num_seqs=256, admission="slo")
+    ).records
+    admitted = [(a, b) for a, b in zip(off, on) if a.error is None]
+    assert len(admitted) == 39 and all(b.error is None for _, b in admitted)
+    assert all(b.tpot_ms <= 40.0 and b.ttft_s == a.ttft_s for a, b in admitted)
+    spared = [b for a, b in zip(off, on) if a.error is not None and b.error is None]
+    assert len(spared) == 2 and all(b.output_tokens == 64 for b in spared)
+    assert summarize(on)["slo_attainment"] >= summarize(off)["slo_attainment"]
