@@ -239,6 +239,8 @@ MEAN_FIELDS = (
     "throughput_tok_s",
     "goodput_tok_s",
     "refused",
+    "best_effort",
+    "promised_slo_attainment",
 )
 
 
@@ -317,7 +319,7 @@ def compare_table(results: Sequence[dict]) -> str:
     cats = sorted({c for r in many for c in r.get("per_category", {})})
     head = ["system", "RPS", "SLO attainment", "TPOT-only"] + [f"att. {c}" for c in cats]
     head += ["TTFT p50 / p99 s", "TPOT p50 / p90 ms", "throughput tok/s", "goodput tok/s"]
-    head += ["refused"]
+    head += ["refused", "best effort"]
     rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(many, key=lambda r: (r.get("rps") or 0.0, SYSTEMS.index(r["system"]))):
         per = r.get("per_category", {})
@@ -335,6 +337,7 @@ def compare_table(results: Sequence[dict]) -> str:
             _cell(r.get("throughput_tok_s"), ".1f"),
             _cell(r.get("goodput_tok_s"), ".1f"),
             _cell(r.get("refused", 0), "g"),
+            _cell(r.get("best_effort", 0), "g"),
         ]
         rows.append("| " + " | ".join(cells) + " |")
     versus = versus_lines(results)

@@ -140,6 +140,7 @@ async def _send_once(
                 if _retried(r.status_code):
                     retry_in = retry_delay_s(r.headers, rec.attempts - 1)
                 return retry_in
+            rec.best_effort = r.headers.get("x-slo-admission") == "best-effort"
             done = False
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):

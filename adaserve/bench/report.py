@@ -57,6 +57,9 @@ class RequestRecord:
     ttft_factor: float = SchedulerConfig.default_ttft_factor
     ttft_floor_ms: float = SchedulerConfig.default_ttft_floor_ms
     attempts: int = 1  # sends it took: more than one when a client retried a refusal
+    # The server said it served the request best effort (`X-SLO-Admission: best-effort`):
+    # admission could not promise its SLO at that load and served it anyway.
+    best_effort: bool = False
 
     @property
     def completed(self) -> bool:
@@ -187,6 +190,13 @@ def summarize(records: Sequence[RequestRecord]) -> dict:
     out["refused"] = len(refused)
     out["admitted_slo_attainment"] = (
         sum(r.slo_attained for r in admitted) / len(admitted) if admitted else None
+    )
+    # Served best effort, and the attainment of the requests admitted with their SLO promised:
+    # what best effort must not take from.
+    promised = [r for r in admitted if not r.best_effort]
+    out["best_effort"] = len(admitted) - len(promised)
+    out["promised_slo_attainment"] = (
+        sum(r.slo_attained for r in promised) / len(promised) if promised else None
     )
     lags = [r.sent_s - r.scheduled_s for r in records if r.sent_s is not None]
     # How late the client sent requests: large values mean the client, not the server, lagged.

@@ -117,6 +117,12 @@ def test_refused_requests_are_counted_apart_from_the_admitted() -> None:
     assert s["refused"] == 2
     assert s["slo_attainment"] == pytest.approx(1 / 5)
     assert s["admitted_slo_attainment"] == pytest.approx(1 / 3), "a timeout is no refusal"
+    assert s["best_effort"] == 0 and s["promised_slo_attainment"] == pytest.approx(1 / 3)
+    # The server said it served request 1 best effort: the promised ones met theirs.
+    records[1].best_effort = True
+    s = summarize(records)
+    assert s["best_effort"] == 1 and s["promised_slo_attainment"] == pytest.approx(1 / 2)
+    assert s["admitted_slo_attainment"] == pytest.approx(1 / 3)
 
 
 def test_attainment_counts_the_first_token_against_its_objective() -> None:
