@@ -513,8 +513,12 @@ class Admission:
             self.host_s += rate * (stats.host_s - self.host_s)
             self._host_samples += 1
         _, prefilling, _ = self.queues()
-        if gap_s is not None and (stats.prefill_tokens or prefilling):
-            # A backlog was there for this whole period: how fast it drained.
+        # A prompt served best effort waits for time no pace needs: no backlog of the load's.
+        backlog = any(not r.best_effort for r in prefilling)
+        if gap_s is not None and (stats.prefill_tokens or backlog):
+            # A backlog was there for this whole period: how fast it drained (counted while
+            # a best-effort prompt waited, the rate fell toward 0 and arrivals were refused
+            # for first tokens predicted tens of seconds away).
             rate = stats.prefill_tokens / max(stats.total_s + gap_s, 1e-9)
             last = self.prefill_rate
             self.prefill_rate = rate if last is None else last + a * (rate - last)

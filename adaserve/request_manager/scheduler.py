@@ -295,7 +295,10 @@ class Scheduler:
     def _plan_trees(
         self, decoding: list[Request], shape: SpecShape | None, context: int
     ) -> TreePlan:
-        pending = sum(prefill_target(r) - r.num_cached for r in self.prefilling)
+        # Prompts served best effort ride only in time no pace needs: not in t_spec.
+        pending = sum(
+            prefill_target(r) - r.num_cached for r in self.prefilling if not r.best_effort
+        )
         extra = min(pending, self.cfg.max_prefill_chunk)  # roughly what prefill adds to t_spec
         return self.planner.plan(decoding, shape, context, extra)
 

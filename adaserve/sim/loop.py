@@ -364,4 +364,5 @@ def _record(b: BenchRequest, r: Request) -> RequestRecord:
         prompt_tokens=len(r.prompt_token_ids),
         # The objective the simulated server scheduled for (its default from the prompt).
         slo_ttft_ms=r.ttft_objective_ms,
+        best_effort=r.best_effort,  # as the server's response header would say
     )
