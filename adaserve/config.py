@@ -279,11 +279,13 @@ class SchedulerConfig:
     # stream that finishes a second later makes room it would otherwise be refused over
     # (api/async_engine.py; 0: refuse at arrival).
     admission_hold: float = 0.5
-    # A request still refused for its TPOT when its hold runs out is served best effort
-    # instead, while fewer than this many are (its first token's objective still refuses):
-    # the scheduler keeps no pace for it, its row sits out first and its prompt goes last
-    # (Admission.best_effort). 0: refuse it.
-    admission_best_effort: int = 2
+    # A request admission still refuses (for its TPOT when its hold runs out, for its first
+    # token, or for its work under overload) is served best effort instead, while fewer than
+    # this many are and its first token, its prompt last, is predicted within
+    # admission_best_effort_wait x its TTFT objective: the scheduler keeps no pace for it, its
+    # row sits out first and its prompt goes last (Admission.best_effort_refusal). 0: refuse.
+    admission_best_effort: int = 4
+    admission_best_effort_wait: float = 4.0
     # Under overload (a request refused for its SLO in the last admission_work_window_s),
     # --admission slo serves the requests that need the least compute first: it refuses one
     # whose work (its prompt's prefill alone plus its max_tokens at the marginal cost of a
@@ -315,6 +317,10 @@ class SchedulerConfig:
         if self.admission_best_effort < 0:
             raise ValueError(
                 f"admission_best_effort must be >= 0, got {self.admission_best_effort}"
+            )
+        if not self.admission_best_effort_wait > 0.0:
+            raise ValueError(
+                f"admission_best_effort_wait must be > 0, got {self.admission_best_effort_wait}"
             )
         if not 0.0 <= self.admission_hold < 1.0:
             raise ValueError(f"admission_hold must be in [0, 1), got {self.admission_hold}")

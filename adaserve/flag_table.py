@@ -216,9 +216,12 @@ FIELD_HELP: dict[str, str] = {
     "admission_hold": "--admission slo holds a request it would refuse for its TPOT (unscheduled, "
     "no KV) for up to this share of its TTFT objective, admitting it as soon as the load "
     "allows; 0 refuses at arrival",
-    "admission_best_effort": "--admission slo serves a request still refused for its TPOT when "
-    "its hold runs out best effort instead (no pace kept, its row sits out first, its prompt "
-    "goes last, 'X-SLO-Admission: best-effort'), while fewer than N are; 0 refuses it",
+    "admission_best_effort": "--admission slo serves a request it still refuses (its TPOT once "
+    "its hold runs out, its first token, its work) best effort instead (no pace kept, its row "
+    "sits out first, its prompt goes last, 'X-SLO-Admission: best-effort'), while fewer than N "
+    "are; 0 refuses it",
+    "admission_best_effort_wait": "serve best effort only a request whose first token, its "
+    "prompt prefilled last, is predicted within this many times its TTFT objective",
     "admission_work_share": "--admission slo under overload (a request refused for its SLO "
     "within the work window) refuses requests needing more compute than the cheapest recent "
     "arrivals fill of this share of the window; 0: off",

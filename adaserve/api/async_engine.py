@@ -38,7 +38,8 @@ class Accepted:
     """The engine queued the request."""
 
     prompt_token_ids: list[int]
-    # Admission could not meet its TPOT SLO and serves it best effort (`Admission.best_effort`).
+    # Admission could not promise its SLO and serves it best effort
+    # (`Admission.best_effort_refusal`).
     best_effort: bool = False
 
 
@@ -435,8 +436,9 @@ class AsyncEngine(StreamBook):
         TPOT is held instead (appended to `_held`, "held" returned) while its hold lasts
         (`Admission.hold_s`): streams finish every second here, and the first token it can
         still get in time is worth more to its client than a 429 to retry after. One still
-        refused for its TPOT when its hold runs out is served best effort when
-        `Admission.best_effort` allows ("best_effort"); "admit" admits it as asked."""
+        refused when its hold runs out, or refused for its first token (not for its work), is
+        served best effort when `Admission.best_effort_refusal` allows ("best_effort"); "admit"
+        admits it as asked."""
         if self.admission != "slo":
             return "admit"
         admission, params = self.engine.admission, cmd.params
@@ -456,14 +458,16 @@ class AsyncEngine(StreamBook):
         ):
             self._held.append(cmd)
             return "held"
-        spare = None
-        if not why.first_token:
-            spare = admission.best_effort_refusal(
+        spare = (
+            "the least compute is served first"
+            if why.work
+            else admission.best_effort_refusal(
                 params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms, waited
             )
-            if spare is None:
-                logger.info("best effort %s: %s", cmd.stream.request_id, why.message)
-                return "best_effort"
+        )
+        if spare is None:
+            logger.info("best effort %s: %s", cmd.stream.request_id, why.message)
+            return "best_effort"
         logger.info(
             "refused %s: %s [prediction: %s]%s",
             cmd.stream.request_id,

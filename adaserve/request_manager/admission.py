@@ -16,7 +16,6 @@ from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.prefill import (
     OVERTAKE_S,
-    STARVE_FACTOR,
     forced_chunk,
     prefill_deadline,
     prefill_target,
@@ -77,10 +76,13 @@ def mean_depth(prefilling: Sequence[Request]) -> int:
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is refused now; `first_token`: its first token's objective refused it
-    (waiting for the load to change cannot help), else its TPOT or an admitted request's."""
+    (waiting for the load to change cannot help), else its TPOT or an admitted request's;
+    `work`: the overload rule refused it for the compute it needs (`work_refusal`), which
+    serving it best effort would spend all the same."""
 
     message: str
     first_token: bool = False
+    work: bool = False
 
 
 class Admission:
@@ -305,6 +307,7 @@ class Admission:
             f"first: this one needs about {work:.1f} s (its {tokens}), over the {limit:.1f} s "
             f"the load allows now; retry later or send a shorter prompt",
             first_token=True,
+            work=True,
         )
 
     def _note_arrival(self, work: float, key: Hashable) -> float:
@@ -353,12 +356,14 @@ class Admission:
         slo_ttft_ms: float | None,
         waited_s: float = 0.0,
     ) -> str | None:
-        """Why a request refused for its TPOT, its hold over (`hold_s`), cannot be served best
-        effort instead of refused; None when it can: while fewer than `admission_best_effort`
-        requests are served so, when its SLO could be met alone (one no load can meet is
-        refused: retrying will not help, relaxing it will), and when its first token, its
-        prompt prefilled after every other, is predicted within STARVE_FACTOR (2) x its TTFT
-        objective (later, it would be queued). Its row sits out before any stream's
+        """Why a request admission refuses (`judge`: for its TPOT once its hold is over
+        (`hold_s`) or for its first token; not one refused for its work, `Refusal.work`) cannot
+        be served best effort instead;
+        None when it can: while fewer than `admission_best_effort` requests are served so, when
+        its SLO could be met alone (one no load can meet is refused: retrying will not help,
+        relaxing it will), and when its first token, its prompt prefilled after every other,
+        is predicted within `admission_best_effort_wait` x its TTFT objective (later, it would
+        be queued). Its row sits out before any stream's
         (`pacing.deferred_rows`) and its prompt takes only the time the streams' paces leave
         (prefill.py), so the SLOs admitted keep what they were admitted with; it gets the
         time they leave, and its output counts (a 429 serves none of it)."""
@@ -375,7 +380,7 @@ class Admission:
         if objective_ms is None:
             return None
         ttft = self.predicted_ttft_s(prompt_tokens, math.inf)
-        limit_s = STARVE_FACTOR * objective_ms / 1000.0
+        limit_s = self.cfg.admission_best_effort_wait * objective_ms / 1000.0
         if ttft is not None and waited_s + ttft > limit_s:
             return f"its first token would come after {waited_s + ttft:.1f} s (limit {limit_s:.1f})"
         return None

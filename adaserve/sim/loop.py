@@ -259,10 +259,11 @@ def _holds(rep: _Replica, b: BenchRequest, why: Refusal, waited: float) -> bool:
 
 
 def _best_effort(rep: _Replica, b: BenchRequest, why: Refusal, waited: float) -> bool:
-    """A request refused for its TPOT whose hold is over is served best effort on `rep` when
-    its admission allows (`Admission.best_effort`), as that server's engine thread would."""
+    """A request refused for its TPOT once its hold is over or for its first token (not for
+    its work) is served best effort on `rep` when its admission allows
+    (`Admission.best_effort_refusal`), as that server's engine thread would."""
     adm = rep.sched.admission
-    return not why.first_token and (
+    return not why.work and (
         adm.best_effort_refusal(b.slo_tpot_ms, _prompt_len(rep.sched, b), None, waited) is None
     )
 

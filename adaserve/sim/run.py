@@ -159,9 +159,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=SchedulerConfig.admission_best_effort,
         metavar="N",
-        help="with --admission slo: serve a request still refused for its TPOT when its hold "
-        "runs out best effort, while fewer than N are (the server's --admission-best-effort; "
-        "0 refuses it)",
+        help="with --admission slo: serve a request it still refuses (its TPOT once its hold "
+        "runs out, its first token, its work) best effort, while fewer than N are (the "
+        "server's --admission-best-effort; 0 refuses it)",
+    )
+    p.add_argument(
+        "--admission-best-effort-wait",
+        type=float,
+        default=SchedulerConfig.admission_best_effort_wait,
+        metavar="FACTOR",
+        help="serve best effort only a request whose first token, its prompt last, is "
+        "predicted within FACTOR x its TTFT objective (the server's flag)",
     )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
@@ -179,6 +187,7 @@ def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
         slo_defer_rows=not a.no_slo_defer_rows,
         slo_headroom=a.slo_headroom,
         admission_best_effort=a.admission_best_effort,
+        admission_best_effort_wait=a.admission_best_effort_wait,
     )
     acceptance = load_acceptance(a.acceptance) if a.acceptance else None
     return SimSetup(

@@ -3,6 +3,8 @@ forces into the forwards slow a new stream only while those prompts are being pr
 
 from __future__ import annotations
 
+import pytest
+
 from adaserve import SamplingParams
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.admission import Admission, forced_share, mean_depth
@@ -220,6 +222,7 @@ def test_under_overload_the_requests_needing_the_least_compute_are_served_first(
     assert refused is not None and "least compute" in refused.message, refused
     assert "5.4 s" in refused.message and "4000-token prompt" in refused.message
     assert refused.first_token, "not held: waiting for its turn cannot come while overloaded"
+    assert refused.work and not why.work, "served best effort, it would spend that compute"
     assert adm.judge(None, 100, max_tokens=64, key="s3") is None, "a cheap one is admitted"
     # Judged again (held), a request is one arrival, not two.
     n = len(adm._arrivals)
@@ -268,7 +271,7 @@ def test_a_request_the_load_cannot_promise_is_served_best_effort_while_few_are()
     streams = [Request(f"r{i}", [1] * 10, SamplingParams(slo_tpot_ms=100)) for i in range(3)]
     prompts: list[Request] = []
     adm = Admission(
-        SchedulerConfig(admission_best_effort=1),
+        SchedulerConfig(admission_best_effort=1, admission_best_effort_wait=2.0),
         LinearCost(),
         lambda: (streams, prompts, []),
         lambda: NOW,
@@ -284,6 +287,13 @@ def test_a_request_the_load_cannot_promise_is_served_best_effort_while_few_are()
     assert adm.best_effort_refusal(23.0, 100, None, waited_s=2.2) is None
     why = adm.best_effort_refusal(23.0, 100, None, waited_s=2.4)
     assert why == "its first token would come after 3.1 s (limit 3.0)", why
+    # The default `admission_best_effort_wait`, 4: four times the objective (5.9 s).
+    adm.cfg = SchedulerConfig(admission_best_effort=1)
+    assert adm.best_effort_refusal(23.0, 100, None, waited_s=2.4) is None
+    why = adm.best_effort_refusal(23.0, 100, None, waited_s=5.3)
+    assert why == "its first token would come after 6.0 s (limit 5.9)", why
+    with pytest.raises(ValueError, match="admission_best_effort_wait must be > 0"):
+        SchedulerConfig(admission_best_effort_wait=0.0)
     prompts.clear()
     # Served best effort (with a 10 ms SLO no load meets, to show it holds nobody's).
     spare = Request("b", [1] * 10, SamplingParams(slo_tpot_ms=10))

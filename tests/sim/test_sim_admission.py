@@ -28,9 +28,10 @@ def test_overload_refuses_at_arrival_and_the_admitted_keep_their_slo() -> None:
 
 def test_best_effort_serves_what_admission_refuses_and_takes_nothing_from_the_admitted() -> None:
     # The overload above: admission admits 39 of the 120 at their 40 ms SLO. Served best
-    # effort (at most two at a time) instead of refused, two more run in the time left at
-    # every admitted stream's pace: each admitted request still meets its SLO, its first
-    # token exactly when it came without them, and the two complete all their tokens.
+    # effort (at most four at a time, the default) instead of refused, four more run in the
+    # time left at every admitted stream's pace: each admitted request still meets its SLO,
+    # its first token exactly when it came without them, and the four complete all their
+    # tokens.
     reqs = bench_requests(120, 0.01, prompt_words=16, out=64, slo=40.0)
     off = simulate(
         reqs,
@@ -45,5 +46,45 @@ def test_best_effort_serves_what_admission_refuses_and_takes_nothing_from_the_ad
     assert len(admitted) == 39 and all(b.error is None for _, b in admitted)
     assert all(b.tpot_ms <= 40.0 and b.ttft_s == a.ttft_s for a, b in admitted)
     spared = [b for a, b in zip(off, on) if a.error is not None and b.error is None]
-    assert len(spared) == 2 and all(b.output_tokens == 64 for b in spared)
+    assert len(spared) == 4 and all(b.output_tokens == 64 for b in spared)
     assert summarize(on)["slo_attainment"] >= summarize(off)["slo_attainment"]
+
+
+def test_a_request_refused_for_its_first_token_is_served_best_effort_within_the_wait() -> None:
+    # Ten 2,000-token prompts at once: each prefills in ~1 s alone, against a default
+    # objective of ~5 s, so the later ones are refused for their first token. Served best
+    # effort (their prompts after every admitted one's) while their first token is predicted
+    # within `admission_best_effort_wait` x the objective, they complete; the admitted get
+    # their first tokens exactly when they got them without them.
+    reqs = bench_requests(10, 0.0, prompt_words=2000, out=16)
+    kw = dict(max_num_seqs=256, admission="slo")
+    off = simulate(reqs, setup("incremental", LinearCost(), admission_best_effort=0, **kw))
+    refused = [r for r in off.records if r.error is not None]
+    assert refused and all("first token" in r.error for r in refused), [r.error for r in refused]
+    on = simulate(
+        reqs,
+        setup(
+            "incremental",
+            LinearCost(),
+            admission_best_effort=10,
+            admission_best_effort_wait=4.0,  # the default
+            **kw,
+        ),
+    )
+    spared = [b for a, b in zip(off.records, on.records) if a.error is not None]
+    assert spared and all(b.error is None and b.output_tokens == 16 for b in spared)
+    assert all(b.best_effort for b in spared)
+    admitted = [(a, b) for a, b in zip(off.records, on.records) if a.error is None]
+    assert all(b.ttft_s == a.ttft_s and not b.best_effort for a, b in admitted)
+    # Within twice the objective, fewer are served so.
+    two = simulate(
+        reqs,
+        setup(
+            "incremental",
+            LinearCost(),
+            admission_best_effort=10,
+            admission_best_effort_wait=2.0,
+            **kw,
+        ),
+    )
+    assert sum(r.error is None for r in two.records) < sum(r.error is None for r in on.records)
