@@ -1,6 +1,7 @@
 """Multi-turn chat replay: every turn resends the history; with vs without prefix caching.
 
     python -m adaserve.bench.multiturn [--conversations 4] [--turns 5] [--max-tokens 48]
+        [--backend torch|ggml]
 
 Each conversation is a system prompt, then user turns answered by the model (greedy); turn
 k sends the whole history through the chat template. Conversations take turns round-robin so
@@ -60,19 +61,20 @@ def replay(engine: LLMEngine, args: argparse.Namespace) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--backend", default="torch", choices=["torch", "ggml"])
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=48)
     args = ap.parse_args()
     print(
         f"{args.conversations} conversations x {args.turns} turns, greedy, up to "
-        f"{args.max_tokens} tokens per answer\n"
+        f"{args.max_tokens} tokens per answer, {args.backend} backend\n"
     )
     print("| prefix caching | mean TTFT ms | prompt tokens computed per turn | hit rate |")
     print("|---|---:|---:|---:|")
     for on in (False, True):
         engine = LLMEngine(
-            ModelConfig(model=args.model),
+            ModelConfig(model=args.model, backend=args.backend),
             CacheConfig(enable_prefix_caching=on),
             SchedulerConfig(policy="incremental"),
         )

@@ -220,8 +220,8 @@ class ExecutionEngine:
         # Automatic prefix caching, one index per KV cache (see exec/prefix_cache.py).
         self.target_prefix: PrefixCache | None = None
         self.draft_prefix: PrefixCache | None = None
-        if cache_cfg.enable_prefix_caching and self.backend == "torch":
-            # (llama.cpp's cache is indexed by sequence, not by block: no prefix sharing yet.)
+        if cache_cfg.enable_prefix_caching:
+            # (On llama.cpp the blocks are virtual; the cells are shared by sequence id.)
             self.target_prefix = PrefixCache(self.target.cache)
             if isinstance(self.draft, ModelRunner) and not self.draft_is_head:
                 # A head's KV depends on the target's features, not on tokens alone.

@@ -17,8 +17,11 @@ How a plan maps onto llama.cpp:
   removes every other cell of the tree.
 - Block tables stay the scheduler's currency: this cache hands out virtual blocks of
   `block_size` cells out of `n_ctx`, so admission, preemption and the KV metrics work as on
-  the torch engine (a request never holds more cells than its blocks cover). A table's first
-  block names its sequence id.
+  the torch engine (a request never holds more cells than its blocks cover); a table gets
+  its sequence id at its first reserve (exec/ggml_cache.py).
+- Prefix caching shares a cached prefix's cells between sequence ids (`seq_cp`) and keeps a
+  released prefix's cells under an id of its own until the allocator needs them
+  (exec/ggml_cache.py).
 """
 
 from __future__ import annotations
@@ -26,14 +29,13 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from adaserve.exec.batch import ForwardBatch
-from adaserve.exec.kv_cache import BlockAllocator, NoFreeBlocksError
+from adaserve.exec.ggml_cache import GgmlKVCache
 from adaserve.exec.loader import load_args
 from adaserve.exec.model.llama import LlamaArgs
 from adaserve.exec.timing import forward_cost_points, tree_pair_cost
@@ -270,158 +272,6 @@ class LlamaCppContext:
                     hidden.append(emb.copy())
         vocab = np.concatenate(logits) if logits else np.zeros((0, self.n_vocab), np.float32)
         return vocab, (np.concatenate(hidden) if hidden else None)
-
-
-@dataclass
-class _Tree:
-    """A verified tree's sequence ids, kept from its forward until its commit."""
-
-    start: int  # position of the root
-    leaf_of: list[int]  # per node: the id of one leaf below it (or itself)
-    borrowed: list[int]  # leaf ids taken for this tree; returned at commit
-
-
-class GgmlKVCache:
-    """The scheduler's block-table view of llama.cpp's unified KV cache (see module doc)."""
-
-    def __init__(self, llama: LlamaCppContext, block_size: int) -> None:
-        self.llama = llama
-        self.block_size = block_size
-        self.device = torch.device("cpu")
-        self.allocator = BlockAllocator(llama.n_ctx // block_size)
-        self._seq: dict[int, int] = {}  # first block of a table -> its sequence id
-        self._free_ids = list(range(llama.max_seqs - 1, -1, -1))
-        self._trees: dict[int, _Tree] = {}
-        # Draft steps: per sequence, KV index of each scratch node fed -> the id holding its path.
-        self._scratch: dict[int, dict[int, int]] = {}
-
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
-    def num_free_ids(self) -> int:
-        return len(self._free_ids)
-
-    def blocks_needed(self, block_table: list[int], num_tokens: int) -> int:
-        return max(0, -(-num_tokens // self.block_size) - len(block_table))
-
-    def reserve(self, block_table: list[int], num_tokens: int) -> None:
-        need = self.blocks_needed(block_table, num_tokens)
-        if not need:
-            return
-        fresh = not block_table
-        if fresh and not self._free_ids:
-            raise NoFreeBlocksError(f"all {self.llama.max_seqs} llama.cpp sequence ids are in use")
-        block_table.extend(self.allocator.allocate(need))
-        if fresh:
-            seq = self._free_ids.pop()
-            self.llama.seq_rm(seq)  # a recycled id starts empty
-            self._seq[block_table[0]] = seq
-
-    def seq_of(self, block_table: list[int]) -> int:
-        if not block_table or block_table[0] not in self._seq:
-            raise ValueError("this block table holds no KV: reserve before a forward")
-        return self._seq[block_table[0]]
-
-    def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Keep the first `num_tokens` positions of the table's sequence, free the rest."""
-        if not block_table:
-            return
-        seq = self._seq[block_table[0]]
-        self._end_tree(seq)
-        self._end_scratch(seq)
-        if self.llama.seq_pos_max(seq) >= num_tokens:  # (seq_rm walks every cell: ~25 us)
-            self.llama.seq_rm(seq, num_tokens, -1)
-        keep = -(-num_tokens // self.block_size)
-        if len(block_table) > keep:
-            if keep == 0:
-                del self._seq[block_table[0]]
-                self._free_ids.append(seq)
-            self.allocator.free(block_table[keep:])
-            del block_table[keep:]
-
-    def release(self, block_table: list[int]) -> None:
-        self.truncate(block_table, 0)
-
-    def keep_subset(self, block_table: list[int], start: int, keep: list[int]) -> None:
-        """After verification: keep the tree nodes `keep` (the root, then the accepted path,
-        node j at position start + j) as the sequence's, drop every other node."""
-        seq = self.seq_of(block_table)
-        tree = self._trees.get(seq)
-        end = start + len(keep)
-        if tree is not None:
-            if tree.start != start:
-                raise ValueError(f"the verified tree starts at {tree.start}, not {start}")
-            leaf = tree.leaf_of[keep[-1]]
-            if leaf != seq:
-                # The path is another leaf's: take its cells as the request's own.
-                self.llama.seq_rm(seq, start, -1)
-                self.llama.seq_cp(leaf, seq, start, end)
-        elif keep != list(range(len(keep))):
-            raise ValueError(f"no tree was verified for this sequence; cannot keep {keep}")
-        self.truncate(block_table, end)  # drops the rest and returns the borrowed ids
-
-    # -------------------------------------------------------------- trees
-    def begin_tree(self, seq: int, start: int, parents: list[int]) -> list[list[int]]:
-        """Sequence ids per node for a tree whose root sits at `start`: each node gets the ids
-        of the leaves below it, the first leaf being the request's own sequence."""
-        self._end_tree(seq)
-        n = len(parents)
-        if any(p < 0 for p in parents[1:]):
-            raise ValueError("a verification tree has one root, node 0")
-        has_child = [False] * n
-        for p in parents[1:]:
-            has_child[p] = True
-        leaves = [i for i in range(n) if not has_child[i]]
-        if len(leaves) - 1 > len(self._free_ids):
-            raise NoFreeBlocksError(
-                f"a tree with {len(leaves)} leaves needs {len(leaves) - 1} spare llama.cpp "
-                f"sequence ids, {len(self._free_ids)} are free"
-            )
-        ids = {leaves[0]: seq}
-        borrowed = []
-        for leaf in leaves[1:]:
-            s = self._free_ids.pop()
-            self.llama.seq_rm(s)
-            self.llama.seq_cp(seq, s, 0, start)  # the request's context, shared
-            ids[leaf] = s
-            borrowed.append(s)
-        below: list[list[int]] = [[] for _ in range(n)]
-        for leaf in leaves:  # walk each leaf up to the root
-            v = leaf
-            while v >= 0:
-                below[v].append(ids[leaf])
-                v = parents[v]
-        self._trees[seq] = _Tree(start, [b[0] for b in below], borrowed)
-        return below
-
-    def scratch_node(self, seq: int, kv_index: int, parent_kv: int | None, pos: int) -> int:
-        """A draft step's node at `kv_index` (RoPE position `pos`), child of the scratch node at
-        `parent_kv` (None: of the committed context): a borrowed id holding its parent's path.
-        The draft model feeds a tree level by level into scratch KV indices past the committed
-        tokens; here each node gets a sequence of its own, made of its parent's cells."""
-        if not self._free_ids:
-            raise NoFreeBlocksError("no llama.cpp sequence id left for a draft node")
-        nodes = self._scratch.setdefault(seq, {})
-        src = seq if parent_kv is None else nodes[parent_kv]
-        s = self._free_ids.pop()
-        self.llama.seq_rm(s)
-        self.llama.seq_cp(src, s, 0, pos)  # the context and the path down to the parent
-        nodes[kv_index] = s
-        return s
-
-    def _end_scratch(self, seq: int) -> None:
-        for s in self._scratch.pop(seq, {}).values():
-            self.llama.seq_rm(s)
-            self._free_ids.append(s)
-
-    def _end_tree(self, seq: int) -> None:
-        tree = self._trees.pop(seq, None)
-        if tree is not None:
-            for s in tree.borrowed:
-                self.llama.seq_rm(s)
-                self._free_ids.append(s)
 
 
 def segments(n: int, chunks: list[tuple[int, int]], tile: int) -> list[np.ndarray]:

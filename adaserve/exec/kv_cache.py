@@ -78,6 +78,18 @@ class BlockAllocator:
             del self._evictable[block]
         self._ref[block] += 1
 
+    def evict(self, block: int) -> None:
+        """Forget a cached block's content now (its KV is gone): an evictable one becomes
+        plainly free, one still held stays with its holders, uncached."""
+        if block not in self.cached:
+            raise RuntimeError(f"KV block {block} is not cached")
+        self.cached.discard(block)
+        if block in self._evictable:
+            del self._evictable[block]
+            self._free.append(block)
+        if self.on_evict is not None:
+            self.on_evict(block)
+
     def free(self, blocks: list[int]) -> None:
         for b in blocks:
             if self._ref[b] <= 0:

@@ -9,7 +9,8 @@ so a block is only found after the very same tokens in front of it. Keys are com
 tokens all agree. Only committed tokens of full blocks are registered: speculative tree slots
 and partial blocks never are. Blocks nobody holds stay cached until the allocator needs them
 (least recently released first). The request manager calls `match` at admission and
-`register` as tokens are committed; one PrefixCache per KVCache (target and draft).
+`register` as tokens are committed; one PrefixCache per KV cache (target and draft), on the
+torch engine's paged cache and on llama.cpp's (whose blocks are virtual: exec/ggml_cache.py).
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ class PrefixCache:
         key = self._key_of.pop(block, None)
         if key is not None and self._block_of.get(key) == block:
             del self._block_of[key]
+        # llama.cpp's cache keeps a released prefix's cells under a sequence id of its own
+        # (exec/ggml_cache.py): they go when their block does.
+        cells_gone = getattr(self.cache, "block_evicted", None)
+        if cells_gone is not None:
+            cells_gone(block)
 
     def _key(self, prev_hash: int, tokens: Sequence[int], i: int) -> Key:
         bs = self.block_size
