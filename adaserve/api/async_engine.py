@@ -443,6 +443,10 @@ class AsyncEngine(StreamBook):
             return "admit"
         admission, params = self.engine.admission, cmd.params
         waited = max(0.0, time.monotonic() - cmd.arrival_time)
+        prefix = self.engine.engine.target_prefix  # (a prompt seen before costs its tail)
+        cached = (
+            0 if prefix is None else prefix.cached_tokens(cmd.prompt_token_ids, prompt_tokens - 1)
+        )
         why = admission.judge(
             params.slo_tpot_ms,
             prompt_tokens,
@@ -450,6 +454,7 @@ class AsyncEngine(StreamBook):
             params.max_tokens if known_length else None,
             waited,
             key=cmd.stream.request_id,
+            cached_tokens=cached,
         )
         if why is None:
             return "admit"
@@ -462,7 +467,7 @@ class AsyncEngine(StreamBook):
             "the least compute is served first"
             if why.work
             else admission.best_effort_refusal(
-                params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms, waited
+                params.slo_tpot_ms, prompt_tokens, params.slo_ttft_ms, waited, cached
             )
         )
         if spare is None:

@@ -48,6 +48,18 @@ class PrefixCache:
         bs = self.block_size
         return (prev_hash, tuple(tokens[i * bs : (i + 1) * bs]))
 
+    def cached_tokens(self, tokens: Sequence[int], max_tokens: int) -> int:
+        """How many of `tokens` (at most `max_tokens`) a `match` would find cached now; takes
+        no reference and counts nothing (admission prices the rest)."""
+        prev, n = 0, 0
+        for i in range(min(len(tokens), max_tokens) // self.block_size):
+            key = self._key(prev, tokens, i)
+            if key not in self._block_of:
+                break
+            prev = hash(key)
+            n += self.block_size
+        return n
+
     def match(self, tokens: Sequence[int], max_tokens: int, hashes: list[int]) -> list[int]:
         """Cached blocks holding a prefix of `tokens` (at most `max_tokens` of them).
 

@@ -355,6 +355,7 @@ class Admission:
         prompt_tokens: int,
         slo_ttft_ms: float | None,
         waited_s: float = 0.0,
+        cached_tokens: int = 0,
     ) -> str | None:
         """Why a request admission refuses (`judge`: for its TPOT once its hold is over
         (`hold_s`) or for its first token; not one refused for its work, `Refusal.work`) cannot
@@ -379,7 +380,7 @@ class Admission:
         objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
         if objective_ms is None:
             return None
-        ttft = self.predicted_ttft_s(prompt_tokens, math.inf)
+        ttft = self.predicted_ttft_s(prompt_tokens - cached_tokens, math.inf)
         limit_s = self.cfg.admission_best_effort_wait * objective_ms / 1000.0
         if ttft is not None and waited_s + ttft > limit_s:
             return f"its first token would come after {waited_s + ttft:.1f} s (limit {limit_s:.1f})"
@@ -393,10 +394,12 @@ class Admission:
         max_tokens: int | None = None,
         waited_s: float = 0.0,
         key: Hashable = None,
+        cached_tokens: int = 0,
     ) -> Refusal | None:
         """Why a request with this TPOT SLO (and prompt) should be refused now, or None to
         admit it; `waited_s`: how long ago it arrived (a held request's first token is due
-        that much sooner).
+        that much sooner); `cached_tokens`: how many of its prompt's the prefix cache holds
+        (its work and its first token are priced without them, its TTFT objective is not).
 
         Refused when the predicted TPOT with it admitted exceeds `slo_headroom` of its own
         SLO, or of the tightest SLO among the requests already admitted: a lenient request
@@ -417,12 +420,14 @@ class Admission:
         judged again (held) is one arrival."""
         work = None
         if prompt_tokens is not None and self.cfg.admission_work_share > 0:
-            work = self.work_s(prompt_tokens, max_tokens)
+            work = self.work_s(prompt_tokens - cached_tokens, max_tokens)
             if work is not None:
                 work = self._note_arrival(work, key)
                 if (why := self.work_refusal(work, prompt_tokens, max_tokens)) is not None:
                     return why
-        why = self._judge(slo_tpot_ms, prompt_tokens, slo_ttft_ms, max_tokens, waited_s)
+        why = self._judge(
+            slo_tpot_ms, prompt_tokens, slo_ttft_ms, max_tokens, waited_s, cached_tokens
+        )
         if why is not None:
             self._slo_refused_at = self.clock()
         return why
@@ -434,6 +439,7 @@ class Admission:
         slo_ttft_ms: float | None,
         max_tokens: int | None,
         waited_s: float,
+        cached_tokens: int = 0,
     ) -> Refusal | None:
         objective_ms = None
         if prompt_tokens is not None:
@@ -455,7 +461,7 @@ class Admission:
             return Refusal(why)
         if objective_ms is None or left_s is None or prompt_tokens is None:
             return None
-        ttft = self.predicted_ttft_s(prompt_tokens, left_s)
+        ttft = self.predicted_ttft_s(prompt_tokens - cached_tokens, left_s)
         if ttft is not None and waited_s + ttft > self.cfg.slo_headroom * objective_ms / 1000.0:
             named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
             return Refusal(

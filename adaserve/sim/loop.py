@@ -114,7 +114,7 @@ def _replica(setup: SimSetup, rng: random.Random, num_blocks: int) -> _Replica:
         num_blocks,
         setup.block_size,
         setup.max_model_len,
-        setup.prefix_caching and setup.cost.target.backend == "torch",  # as the real engine
+        setup.prefix_caching,  # (both real backends cache prefixes)
         clock,
         setup.noise,
         setup.seed,

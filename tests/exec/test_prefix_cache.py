@@ -53,6 +53,23 @@ def test_a_shared_prefix_is_computed_once_and_outputs_do_not_change(tiny_llama):
     assert e.engine.target.cache.allocator.num_used == 0, "blocks still held after finishing"
 
 
+def test_a_peek_at_the_cache_finds_what_a_match_would_and_holds_nothing():
+    """Admission asks how much of a prompt is cached before it is queued: the same count a
+    match takes at admission, with no block held and no hit counted."""
+    cache = KVCache(1, 8, 4, 1, 2, dtype=__import__("torch").float32, device="cpu")
+    pc = PrefixCache(cache)
+    tokens = list(range(2, 14))  # three full blocks
+    table: list[int] = []
+    cache.reserve(table, len(tokens))
+    pc.register(table, tokens, len(tokens), [])
+    cache.release(table)
+    assert pc.cached_tokens(tokens + [99], 12) == 12
+    assert pc.cached_tokens(tokens, len(tokens) - 1) == 8, "at least one token is computed"
+    assert pc.cached_tokens(tokens[:5] + [0] + tokens[6:], 12) == 4, "a changed token cuts it"
+    assert cache.allocator.num_used == 0 and pc.queried_tokens == pc.hit_tokens == 0
+    assert len(pc.match(tokens + [99], 12, [])) * 4 == pc.cached_tokens(tokens + [99], 12)
+
+
 def test_speculation_never_pollutes_the_cache(tiny_llama):
     """Only committed tokens are registered: a later request sees exactly the same output."""
     prompts = [[(3 * j) % 90 + 2 for j in range(40)]] * 3

@@ -309,3 +309,16 @@ def test_a_request_the_load_cannot_promise_is_served_best_effort_while_few_are()
         SchedulerConfig(admission_best_effort=0), LinearCost(), lambda: ([], [], []), lambda: NOW
     )
     assert off.best_effort_refusal(23.0, 100, None) == "best effort is off"
+
+
+def test_a_prompt_the_prefix_cache_holds_is_priced_by_what_is_left_to_compute():
+    """A 2,000-token prompt takes 2 s to prefill here: with a 1 s first-token objective it is
+    refused. When the prefix cache holds all but its last 16 tokens, the first token takes
+    what those cost, and it is admitted; its objective is still its own."""
+    adm = _admission([])
+    why = adm.judge(None, 2000, slo_ttft_ms=1000.0)
+    assert why is not None and why.first_token, why
+    assert adm.judge(None, 2000, slo_ttft_ms=1000.0, cached_tokens=1984) is None
+    assert adm.best_effort_refusal(None, 2000, 300.0, cached_tokens=1984) is None
+    why_be = adm.best_effort_refusal(None, 2000, 300.0)
+    assert why_be is not None and "first token would come after" in why_be, why_be
