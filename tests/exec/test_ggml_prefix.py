@@ -146,6 +146,7 @@ def test_sequence_ids_held_by_kept_prefixes_are_taken_back_for_trees():
     recently used first, and the prefixes they held leave the prefix cache."""
     runner = GgmlRunner(default_gguf_file(), default_model_dir(), 4352, BS, 512)
     cache, prefix = runner.cache, PrefixCache(runner.cache)
+    cache.max_kept_blocks = cache.num_blocks  # (no cell budget here: ids run out first)
     n = runner.llama.max_seqs - 2
     for k in range(n):  # n kept one-block prompts: two ids left free
         table: list[int] = []
@@ -213,4 +214,29 @@ def test_an_engine_with_prefix_caching_answers_as_one_without():
         assert g == w, f"prompt {i}: prefix caching changed the greedy output"
     assert cache.allocator.num_used == 0
     assert set(held_ids(engine.engine.target)) == set(cache._keepers)
+    check_cells(cache)
+
+
+def test_kept_prefixes_stay_within_their_cell_budget_heads_first(runner):
+    """Every forward pays for every cell in use, so released prefixes keep at most
+    `max_kept_cells`: a long prompt keeps its head, and older prompts go first."""
+    cache, prefix = runner.cache, PrefixCache(runner.cache)
+    cache.max_kept_blocks = 4  # 64 cells
+    long = [1] + [(11 * i + 77) % 4000 + 30 for i in range(95)]  # six blocks
+    table: list[int] = []
+    forward(runner, table, long, 0)
+    prefix.register(table, long, len(long), [])
+    cache.release(table)
+    assert [len(b) for b in cache._keepers.values()] == [4], "the head, four blocks, is kept"
+    check_cells(cache)
+    assert prefix.cached_tokens(long, len(long)) == 64
+    for k in range(2):  # two one-block prompts: the long one is trimmed away, oldest first
+        table = []
+        tokens = [1, 500 + k] + PREFIX[2:BS]
+        forward(runner, table, tokens, 0)
+        prefix.register(table, tokens, BS, [])
+        cache.release(table)
+    assert sum(len(b) for b in cache._keepers.values()) <= 4
+    assert prefix.cached_tokens(long, len(long)) == 0, "the least recent prompt is dropped"
+    assert prefix.cached_tokens([1, 501] + PREFIX[2:BS] + [5], BS) == BS
     check_cells(cache)
