@@ -151,6 +151,10 @@ class CacheConfig:
     # most it computes at once (a micro-batch).
     ggml_n_batch: int = 2048
     ggml_n_ubatch: int = 512
+    # Most cells the ggml backend's prefix cache keeps for requests that have ended (each
+    # can cost every forward a mask walk: exec/ggml_cache.py); 0 (default) keeps none, and
+    # prefixes are shared only while some request holds them.
+    ggml_kept_prefix_cells: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -158,6 +162,10 @@ class CacheConfig:
         for name in ("ggml_max_cache_tokens", "ggml_n_batch", "ggml_n_ubatch"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.ggml_kept_prefix_cells < 0:
+            raise ValueError(
+                f"ggml_kept_prefix_cells must be >= 0, got {self.ggml_kept_prefix_cells}"
+            )
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be > 0, got {self.num_blocks}")
         if not 0.0 < self.memory_fraction <= 0.95:

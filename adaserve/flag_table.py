@@ -152,6 +152,9 @@ FIELD_HELP: dict[str, str] = {
     "ggml_max_cache_tokens": "most cells of the ggml backend's KV cache when sized from memory",
     "ggml_n_batch": "most tokens one llama.cpp decode call takes",
     "ggml_n_ubatch": "most tokens llama.cpp computes at once (a micro-batch)",
+    "ggml_kept_prefix_cells": "most KV cells the ggml backend's prefix cache keeps for ended "
+    "requests, e.g. 4096 for chats that resend their history (every forward can pay for "
+    "them; default 0: prefixes shared only while a request holds them)",
     # SchedulerConfig
     "policy": "scheduling policy",
     "max_num_seqs": "most requests in the running batch",

@@ -1,7 +1,7 @@
 """Multi-turn chat replay: every turn resends the history; with vs without prefix caching.
 
     python -m adaserve.bench.multiturn [--conversations 4] [--turns 5] [--max-tokens 48]
-        [--backend torch|ggml]
+        [--backend torch|ggml] [--ggml-kept-prefix-cells N]
 
 Each conversation is a system prompt, then user turns answered by the model (greedy); turn
 k sends the whole history through the chat template. Conversations take turns round-robin so
@@ -62,6 +62,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--backend", default="torch", choices=["torch", "ggml"])
+    ap.add_argument(
+        "--ggml-kept-prefix-cells",
+        type=int,
+        default=CacheConfig.ggml_kept_prefix_cells,
+        help="cells the ggml backend keeps for ended requests (the server's flag)",
+    )
     ap.add_argument("--conversations", type=int, default=4)
     ap.add_argument("--turns", type=int, default=5)
     ap.add_argument("--max-tokens", type=int, default=48)
@@ -75,7 +81,9 @@ def main() -> None:
     for on in (False, True):
         engine = LLMEngine(
             ModelConfig(model=args.model, backend=args.backend),
-            CacheConfig(enable_prefix_caching=on),
+            CacheConfig(
+                enable_prefix_caching=on, ggml_kept_prefix_cells=args.ggml_kept_prefix_cells
+            ),
             SchedulerConfig(policy="incremental"),
         )
         r = replay(engine, args)

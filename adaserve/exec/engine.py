@@ -118,6 +118,7 @@ def _build_ggml_runner(
         n_batch=cache_cfg.ggml_n_batch,
         n_ubatch=cache_cfg.ggml_n_ubatch,
         n_threads=threads,
+        max_kept_cells=cache_cfg.ggml_kept_prefix_cells,
     )
 
 

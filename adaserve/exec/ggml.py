@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from adaserve.exec.batch import ForwardBatch
-from adaserve.exec.ggml_cache import GgmlKVCache
+from adaserve.exec.ggml_cache import MAX_KEPT_CELLS, GgmlKVCache
 from adaserve.exec.loader import load_args
 from adaserve.exec.model.llama import LlamaArgs
 from adaserve.exec.timing import forward_cost_points, tree_pair_cost
@@ -333,6 +333,7 @@ class GgmlRunner:
         n_batch: int,
         n_ubatch: int = 512,
         n_threads: int | None = None,
+        max_kept_cells: int = MAX_KEPT_CELLS,
     ):
         """`checkpoint`: the GGUF file's dir (config and tokenizer from its metadata, no
         weights; an EAGLE head borrows the embedding and LM head from the GGUF itself)."""
@@ -345,7 +346,7 @@ class GgmlRunner:
             )
         self._args = args
         self.checkpoint: Path | None = Path(checkpoint)
-        self.cache = GgmlKVCache(self.llama, block_size)
+        self.cache = GgmlKVCache(self.llama, block_size, max_kept_cells)
         self.device = torch.device("cpu")
         self.capture_hidden = False
         self.last_hidden: torch.Tensor | None = None

@@ -20,8 +20,9 @@ count, so its content lives in whichever sequences hold its cells:
 - A released sequence whose first blocks are registered keeps their cells, and nothing
   else, as a *keeper*: an id that never runs a query. It does not when every one of those
   blocks has another holder, and a keeper whose blocks a newer keeper covers is dropped.
-  Keepers hold at most `max_kept_cells` in all (MAX_KEPT_CELLS: every forward pays for every
-  cell in use), a prompt's head first, the least recently used keeper dropped first.
+  Keepers hold at most `max_kept_cells` in all (by default none: every forward pays for the
+  cells in use, see MAX_KEPT_CELLS), a prompt's head first, the least recently used keeper
+  dropped first. Without keepers a prefix is still shared while some request holds it.
 - When the allocator evicts a cached block (`block_evicted`), each keeper holding it drops
   it and every later block (the chain breaks there); a block left with no holder is evicted
   too. When ids run out, the least recently used keeper goes.
@@ -42,12 +43,14 @@ from adaserve.exec.kv_cache import BlockAllocator, NoFreeBlocksError
 if TYPE_CHECKING:
     from adaserve.exec.ggml import LlamaCppContext
 
-# Most cells released prefixes keep. A kept cell is not free: llama.cpp's attention walks the
-# mask of every cell up to the highest one in use, for every query row of every forward
-# (16,000 idle cells beside four 300-token requests: a 4-row decode 21.4 -> 26.4 ms, a 16-row
-# one 54.8 -> 80.1 ms; 4,000 cells: 21.7 and 61.7 ms). Kept without a bound (until the
-# allocator needs the blocks), a replay of 48 trace requests met 72% of SLOs instead of 84-94%.
-MAX_KEPT_CELLS = 1024
+# Most cells released prefixes keep, by default none. A kept cell is not free: llama.cpp's
+# attention walks the mask of every cell up to the highest one in use, for every query row of
+# every forward (16,000 idle cells beside four 300-token requests: a 4-row decode 21.4 -> 26.4
+# ms, a 16-row one 54.8 -> 80.1 ms), and a kept cell high in the cache keeps that range wide
+# however few cells are kept. Replaying 48 trace requests (docs/results.md), keeping 1,024
+# cells met 71% of SLOs at 1 rps where keeping none met 88%; a chat that resends its history
+# gets its turns' first tokens 5x sooner with them (`--ggml-kept-prefix-cells`).
+MAX_KEPT_CELLS = 0
 
 
 @dataclass

@@ -32,7 +32,7 @@ SUFFIX = [504, 3458, 282, 4649, 314, 253, 2115, 30]
 
 @pytest.fixture
 def runner():
-    r = GgmlRunner(default_gguf_file(), default_model_dir(), 1024, BS, 512)
+    r = GgmlRunner(default_gguf_file(), default_model_dir(), 1024, BS, 512, max_kept_cells=1024)
     yield r
     r.close()
 
@@ -189,7 +189,12 @@ def test_an_engine_with_prefix_caching_answers_as_one_without():
     def run(prefix_caching: bool) -> tuple[list[list[int]], LLMEngine]:
         engine = LLMEngine(
             ModelConfig(backend="ggml", drafter="suffix"),
-            CacheConfig(block_size=BS, num_blocks=20, enable_prefix_caching=prefix_caching),
+            CacheConfig(
+                block_size=BS,
+                num_blocks=20,
+                enable_prefix_caching=prefix_caching,
+                ggml_kept_prefix_cells=1024,
+            ),
             SchedulerConfig(policy="adaserve", max_num_seqs=4, budget=8),
         )
         out = []
@@ -240,3 +245,24 @@ def test_kept_prefixes_stay_within_their_cell_budget_heads_first(runner):
     assert prefix.cached_tokens(long, len(long)) == 0, "the least recent prompt is dropped"
     assert prefix.cached_tokens([1, 501] + PREFIX[2:BS] + [5], BS) == BS
     check_cells(cache)
+
+
+def test_by_default_an_ended_request_keeps_no_cells_and_a_running_one_shares_its_prefix():
+    """The default keeps nothing once a request ends (kept cells cost every forward), and a
+    prefix is still shared while the request that computed it runs."""
+    runner = GgmlRunner(default_gguf_file(), default_model_dir(), 1024, BS, 512)
+    cache, prefix = runner.cache, PrefixCache(runner.cache)
+    first: list[int] = []
+    forward(runner, first, PREFIX, 0)
+    prefix.register(first, PREFIX, len(PREFIX), [])
+    tokens = PREFIX + SUFFIX
+    second = prefix.match(tokens, len(tokens) - 1, [])
+    assert len(second) == 3, "a running request's prefix is found"
+    forward(runner, second, SUFFIX, len(PREFIX))
+    cache.release(first)
+    assert cache.num_keepers == 0
+    assert prefix.cached_tokens(tokens, len(tokens)) == len(PREFIX), "held by the second"
+    cache.release(second)
+    assert cache.num_keepers == 0 and held_ids(runner) == []
+    assert prefix.cached_tokens(tokens, len(tokens)) == 0, "no cells, nothing to find"
+    runner.close()
