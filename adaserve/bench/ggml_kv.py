@@ -1,6 +1,7 @@
 """What the ggml backend's unified KV cache costs a forward, against one stream per sequence.
 
     python -m adaserve.bench.ggml_kv [--others 0 16] [--context 200 800] [--chunks 32 128]
+    python -m adaserve.bench.ggml_kv --idle 0 4000 16000 48000
 
 The ggml backend keeps every request in one llama.cpp KV cache (`exec/ggml.py`: trees share
 their request's cells by sequence ids), as llama-server does not (one stream per slot). In one
@@ -9,6 +10,11 @@ measures that price on the default GGUF: `--others` sequences of `--context` tok
 the cache, then the median time (--repeats) of a forward of one decode row per sequence, and of
 a `--chunks`-token prompt chunk of a new sequence, in a unified cache, then in per-sequence
 streams. Prints markdown; docs/results.md has a run.
+
+`--idle`: what cells nobody queries cost (a prefix kept for requests that have ended:
+exec/ggml_cache.py). Four 300-token sequences sit in a unified cache of 65,536 cells, then
+sequences of 400 tokens until `--idle` tokens more; the median time of one decode row per
+live sequence and of four rows each (a tree's size).
 """
 
 from __future__ import annotations
@@ -93,6 +99,42 @@ def measure(
         ctx.close()
 
 
+def measure_idle(
+    idle_tokens: int, repeats: int, threads: int | None, live: int = 4, context: int = 300
+) -> dict[str, float]:
+    """Median ms of `live` sequences' forwards with `idle_tokens` cells of others beside."""
+    from adaserve.exec.default_model import default_gguf_file
+    from adaserve.exec.ggml import LlamaCppContext
+
+    ctx = LlamaCppContext(default_gguf_file(), 65536, 2048, n_threads=threads)
+    rng = np.random.default_rng(0)
+    try:
+        for s in range(live):  # the live sequences' cells first, as a server fills its cache
+            _fill(ctx, s, context, rng)
+        seq = live
+        while idle_tokens > 0:
+            _fill(ctx, seq, min(400, idle_tokens), rng)
+            idle_tokens -= 400
+            seq += 1
+        out: dict[str, float] = {}
+        for rows in (1, 4):
+            times = []
+            for _ in range(repeats + 1):
+                n = live * rows
+                tokens = rng.integers(100, 20000, n).astype(np.int32)
+                seqs = np.repeat(np.arange(live, dtype=np.int32), rows)
+                pos = (context + np.tile(np.arange(rows), live)).astype(np.int32)
+                t0 = time.perf_counter()
+                ctx.decode(tokens, pos, seqs, {}, np.ones(n, bool))
+                times.append(time.perf_counter() - t0)
+                for s in range(live):
+                    ctx.seq_rm(s, context, -1)
+            out[f"{live * rows} rows"] = 1000.0 * statistics.median(times[1:])
+        return out
+    finally:
+        ctx.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--others", type=int, nargs="+", default=[0, 16])
@@ -100,7 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--chunks", type=int, nargs="+", default=[32, 128])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--idle", type=int, nargs="+", default=None, help="idle cells to try")
     args = ap.parse_args(argv)
+    if args.idle is not None:
+        print("| idle cells | 4 decode rows ms | 16 rows (4 x 4) ms |")
+        print("|---|---|---|")
+        for idle in args.idle:
+            r = measure_idle(idle, max(args.repeats, 20), args.threads)
+            print(f"| {idle} | {r['4 rows']:.1f} | {r['16 rows']:.1f} |", flush=True)
+        return
     if max(args.others) >= STREAMS:
         ap.error(f"--others must stay below {STREAMS} (one stream is the new sequence's)")
     if max(args.context) + max(args.chunks) > CELLS_PER_STREAM:

@@ -576,3 +576,21 @@ def test_slo_admission_refuses_a_request_whose_first_token_would_come_too_late(t
         r = complete(srv.url, prompt=document, max_tokens=2, slo_ttft_ms=9000)
         assert r.status_code == 200, r.text
     assert asked == [(None, 400, 9000, 2)], asked
+
+
+def test_slo_admission_prices_a_prompt_by_what_the_prefix_cache_leaves(tiny_llama) -> None:
+    """The server tells admission how much of a prompt the prefix cache holds: nothing the
+    first time, every full block but the last token's the second (its first token costs only
+    the rest; docs/scheduling.md)."""
+    engine = make_engine(tiny_llama)
+    block = engine.engine.target.cache.block_size
+    cached = []
+    judge = engine.admission.judge
+    engine.admission.judge = lambda *a, **k: cached.append(k["cached_tokens"]) or judge(*a, **k)
+    document = " ".join(["t6"] * 100)
+    with ThreadServer(build_app(engine, ServerConfig())) as srv:
+        for _ in range(2):
+            r = complete(srv.url, prompt=document, max_tokens=2)
+            assert r.status_code == 200, r.text
+    n = r.json()["usage"]["prompt_tokens"]
+    assert cached == [0, (n - 1) // block * block], (cached, n)
