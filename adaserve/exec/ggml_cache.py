@@ -47,9 +47,10 @@ if TYPE_CHECKING:
 # attention walks the mask of every cell up to the highest one in use, for every query row of
 # every forward (16,000 idle cells beside four 300-token requests: a 4-row decode 20.7 -> 29.4
 # ms, a 16-row one 55.0 -> 84.7 ms; `python -m adaserve.bench.ggml_kv --idle`), and a kept
-# cell high in the cache keeps that range wide however few cells are kept. Replaying 48 trace requests (docs/results.md), keeping 1,024
-# cells met 71% of SLOs at 1 rps where keeping none met 88%; a chat that resends its history
-# gets its turns' first tokens 5x sooner with them (`--ggml-kept-prefix-cells`).
+# cell high in the cache keeps that range wide however few cells are kept. Replaying 48 trace
+# requests (docs/results.md), keeping 1,024 cells met 71% of SLOs at 1 rps where keeping none
+# met 88%; a chat that resends its history gets its turns' first tokens 5x sooner with them
+# (`--ggml-kept-prefix-cells`).
 MAX_KEPT_CELLS = 0
 
 
