@@ -49,6 +49,22 @@ def _fill(ctx, seq: int, n: int, rng: np.random.Generator, start: int = 0) -> fl
     return time.perf_counter() - t0
 
 
+def _rows_ms(ctx, rng: np.random.Generator, seqs: int, rows: int, context: int, repeats: int):
+    """Median ms of a forward of `rows` new tokens on each of sequences 0..seqs-1 (each
+    `context` tokens long), cut back after every run; the first run is a warm-up."""
+    times = []
+    for _ in range(repeats + 1):
+        tokens = rng.integers(100, 20000, seqs * rows).astype(np.int32)
+        ids = np.repeat(np.arange(seqs, dtype=np.int32), rows)
+        pos = (context + np.tile(np.arange(rows), seqs)).astype(np.int32)
+        t0 = time.perf_counter()
+        ctx.decode(tokens, pos, ids, {}, np.ones(seqs * rows, bool))
+        times.append(time.perf_counter() - t0)
+        for s in range(seqs):
+            ctx.seq_rm(s, context, -1)
+    return 1000.0 * statistics.median(times[1:])
+
+
 def measure(
     unified: bool, others: int, context: int, chunks: list[int], repeats: int, threads: int | None
 ) -> dict[str, float]:
@@ -60,17 +76,7 @@ def measure(
             _fill(ctx, s, context, rng)
         out: dict[str, float] = {}
         if others:
-            tokens = rng.integers(100, 20000, others).astype(np.int32)
-            seqs = np.arange(others, dtype=np.int32)
-            pos = np.full(others, context, np.int32)
-            times = []
-            for _ in range(repeats + 1):
-                t0 = time.perf_counter()
-                ctx.decode(tokens, pos, seqs, {}, np.ones(others, bool))
-                times.append(time.perf_counter() - t0)
-                for s in range(others):
-                    ctx.seq_rm(s, context, -1)
-            out[f"{others} decode rows"] = 1000.0 * statistics.median(times[1:])
+            out[f"{others} decode rows"] = _rows_ms(ctx, rng, others, 1, context, repeats)
         new = others  # a sequence id of its own
         for c in chunks:
             times = []
@@ -118,18 +124,7 @@ def measure_idle(
             seq += 1
         out: dict[str, float] = {}
         for rows in (1, 4):
-            times = []
-            for _ in range(repeats + 1):
-                n = live * rows
-                tokens = rng.integers(100, 20000, n).astype(np.int32)
-                seqs = np.repeat(np.arange(live, dtype=np.int32), rows)
-                pos = (context + np.tile(np.arange(rows), live)).astype(np.int32)
-                t0 = time.perf_counter()
-                ctx.decode(tokens, pos, seqs, {}, np.ones(n, bool))
-                times.append(time.perf_counter() - t0)
-                for s in range(live):
-                    ctx.seq_rm(s, context, -1)
-            out[f"{live * rows} rows"] = 1000.0 * statistics.median(times[1:])
+            out[f"{live * rows} rows"] = _rows_ms(ctx, rng, live, rows, context, repeats)
         return out
     finally:
         ctx.close()
