@@ -117,7 +117,8 @@ def test_the_allocator_taking_cached_blocks_back_drops_the_kept_cells(runner):
     hog: list[int] = []
     cache.reserve(hog, cache.num_blocks * BS)  # every block: each cached one is evicted
     assert cache.num_keepers == 0 and prefix.num_cached_blocks == 0
-    assert held_ids(runner) == [cache.seq_of(hog)] or held_ids(runner) == []
+    # (The hog reserved blocks and computed nothing: no sequence may hold a cell now.)
+    assert held_ids(runner) == [], f"sequence ids {held_ids(runner)} kept evicted cells"
     assert prefix.match(PREFIX, len(PREFIX), []) == []
     cache.release(hog)
     assert held_ids(runner) == [] and cache.num_free_ids == runner.llama.max_seqs
