@@ -7,6 +7,7 @@ prefill prices iterations through `iteration_s` (the cost model's forward plus h
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
@@ -71,6 +72,31 @@ def mean_depth(prefilling: Sequence[Request]) -> int:
         pending += left
         weighted += left * (r.num_cached + prefill_target(r)) // 2
     return weighted // pending if pending else 0
+
+
+def iterations_left(req: Request, tokens_per_request: float) -> float:
+    """Decode iterations a request admitted here still holds a row for, at most: its
+    `max_tokens` not yet emitted at the recent tokens per request and iteration (it may stop
+    sooner, never later)."""
+    left = max(0, req.params.max_tokens - len(req.output_token_ids))
+    return left / max(tokens_per_request, 1.0)
+
+
+def batch_over_time(
+    ends: Sequence[tuple[float, int]], extra: int, extra_until: float, cap: int
+) -> list[tuple[float, float, int, int]]:
+    """The batch as the requests here end: (start, stop, rows, context) segments of
+    iterations from now, each row present until its end (`ends`: (iterations left, context
+    tokens) per request), `extra` more rows (newcomers, no context counted) until
+    `extra_until`; rows at most `cap`, the segments until every row has ended."""
+    marks = sorted({0.0, extra_until, *(k for k, _ in ends)})
+    segments = []
+    for start, stop in zip(marks, marks[1:]):
+        present = [c for k, c in ends if k > start]
+        rows = len(present) + (extra if extra_until > start else 0)
+        if rows:
+            segments.append((start, stop, min(rows, cap), sum(present)))
+    return segments
 
 
 @dataclass(frozen=True)
@@ -138,6 +164,7 @@ class Admission:
         max_tokens: int | None = None,
         first_token_due: float | None = None,
         prompts_yield: bool = False,
+        over_life: bool = True,
     ) -> float | None:
         """Seconds per output token a request admitted now (with `extra` - 1 more after it)
         would see once it decodes, over
@@ -163,7 +190,10 @@ class Admission:
         at the rows its streams could give away, the tight streams admitted into that time
         left the prompts little, and the 0.5-rps replay met 79-81% of SLOs against 87.5%
         (docs/results.md, "Streams ahead of their pace").
-        None without a cost model (nothing to predict from)."""
+        With `over_life` and `max_tokens`, the batch is the one it will decode in, on average
+        over its life: the requests here end (at most their `max_tokens`), so a request
+        admitted beside streams with a few tokens left is priced by the batch after them
+        (`life_factor`). None without a cost model (nothing to predict from)."""
         if self.cost is None:
             return None
         running, prefilling, waiting = ([r for r in q if not r.best_effort] for q in self.queues())
@@ -216,7 +246,53 @@ class Admission:
             "forward_tokens_per_request": self.forward_tokens_per_request,
             "host_ms": 1000.0 * self.host_s,
         }
-        return min(speculating / self.tokens_per_request, plain)
+        tpot = min(speculating / self.tokens_per_request, plain)
+        if over_life and max_tokens is not None:
+            life = max_tokens / max(self.tokens_per_request, 1.0)
+            factor = self.life_factor(life, extra, life)
+            self.last_prediction["life_factor"] = factor
+            tpot *= factor
+        return tpot
+
+    def life_factor(self, horizon: float, extra: int, extra_until: float) -> float:
+        """The mean predicted iteration over the next `horizon` decode iterations, as the
+        requests here end (`iterations_left`: each at most its `max_tokens`) with `extra` more
+        rows until `extra_until`, over the iteration of everyone now (<= 1). Requests served
+        best effort do not count (their rows sit out first)."""
+        return self.life_curve(extra, extra_until)(horizon)
+
+    def life_curve(self, extra: int, extra_until: float) -> Callable[[float], float]:
+        """`life_factor` for any horizon, from one pass over the batch's segments."""
+        assert self.cost is not None
+        reqs = [r for q in self.queues() for r in q if not r.best_effort]
+        cap = self.cfg.max_num_seqs
+        now = self.iteration_s(
+            min(len(reqs) + extra, cap), sum(r.num_tokens for r in reqs[: max(0, cap - extra)])
+        )
+        ends = [(iterations_left(r, self.tokens_per_request), r.num_tokens) for r in reqs]
+        starts: list[float] = []
+        times: list[float] = []  # predicted seconds of each segment's iterations
+        totals: list[float] = []  # their sum up to each segment's start
+        total = 0.0
+        for start, stop, rows, context in batch_over_time(ends, extra, extra_until, cap):
+            t = self.iteration_s(rows, context)
+            starts.append(start)
+            times.append(t)
+            totals.append(total)
+            if math.isinf(stop):
+                break
+            total += (stop - start) * t
+
+        def factor(horizon: float) -> float:
+            if horizon <= 0 or now <= 0 or not starts:
+                return 1.0
+            i = bisect.bisect_left(starts, horizon) - 1  # the segment the horizon ends in
+            if i < 0:
+                return 1.0
+            mean = (totals[i] + (horizon - starts[i]) * times[i]) / horizon
+            return min(1.0, mean / now)
+
+        return factor
 
     def ttft_objective_ms(self, prompt_tokens: int, slo_ttft_ms: float | None) -> float | None:
         """A request's TTFT objective: its slo_ttft_ms, else the default from the time its
@@ -482,11 +558,22 @@ class Admission:
         prompts_yield: bool = False,
     ) -> str | None:
         tpot = self.predicted_tpot_s(
-            max_tokens=max_tokens, first_token_due=first_token_due, prompts_yield=prompts_yield
+            max_tokens=max_tokens,
+            first_token_due=first_token_due,
+            prompts_yield=prompts_yield,
+            over_life=False,
         )
         if tpot is None:
             return None
-        ms = 1000.0 * tpot
+        # The batch of now, then each request priced over the iterations it will decode in
+        # (`life_factor`): the newcomer over its max_tokens, each admitted request over what
+        # it has left, as the others end.
+        ms_now = 1000.0 * tpot
+        life = math.inf
+        ms = ms_now
+        if max_tokens is not None:
+            life = max_tokens / max(self.tokens_per_request, 1.0)
+            ms = ms_now * self.life_factor(life, 1, life)
         headroom = self.cfg.slo_headroom
         if slo_tpot_ms is not None and ms > headroom * slo_tpot_ms:
             return (
@@ -494,13 +581,26 @@ class Admission:
                 f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
             )
         running, prefilling, waiting = self.queues()
-        admitted = [r.paced_slo_tpot_ms for r in (*running, *prefilling, *waiting)]
-        held = min((s for s in admitted if s is not None), default=None)
-        if held is not None and ms > headroom * held:
-            return (
-                f"admitting this request would slow the requests being served past their "
-                f"slo_tpot_ms {held:g} (about {ms:.0f} ms per token predicted); retry later"
-            )
+        curve = None
+        for r in sorted(
+            (r for r in (*running, *prefilling, *waiting) if r.paced_slo_tpot_ms is not None),
+            key=lambda r: r.paced_slo_tpot_ms or 0.0,
+        ):
+            held = r.paced_slo_tpot_ms
+            assert held is not None
+            if ms_now <= headroom * held:
+                break  # the batch of now already fits it and every looser one
+            left = iterations_left(r, self.tokens_per_request)
+            if left <= 1.0:
+                continue  # its last token comes before the newcomer's row joins
+            curve = curve or self.life_curve(1, life)
+            theirs = ms_now * curve(left)
+            if theirs > headroom * held:
+                return (
+                    f"admitting this request would slow the requests being served past their "
+                    f"slo_tpot_ms {held:g} (about {theirs:.0f} ms per token predicted); "
+                    f"retry later"
+                )
         return None
 
     # ------------------------------------------------------------------ observations

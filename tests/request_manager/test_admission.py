@@ -26,8 +26,10 @@ def _admission(prefilling: list[Request]) -> Admission:
 
 
 def _prompt(tokens: int, due_in_s: float) -> Request:
-    """A prompt being prefilled whose first token is due `due_in_s` from now."""
-    r = Request("p", list(range(1, tokens + 1)), SamplingParams(), arrival_time=NOW - 1.0)
+    """A prompt being prefilled whose first token is due `due_in_s` from now (and whose
+    stream outlasts every newcomer's here: its row is in every batch they decode in)."""
+    params = SamplingParams(max_tokens=4096)
+    r = Request("p", list(range(1, tokens + 1)), params, arrival_time=NOW - 1.0)
     r.ttft_objective_ms = 1000.0 * (1.0 + due_in_s)
     return r
 
@@ -322,3 +324,55 @@ def test_a_prompt_the_prefix_cache_holds_is_priced_by_what_is_left_to_compute():
     assert adm.best_effort_refusal(None, 2000, 300.0, cached_tokens=1984) is None
     why_be = adm.best_effort_refusal(None, 2000, 300.0)
     assert why_be is not None and "first token would come after" in why_be, why_be
+
+
+def _stream(slo_tpot_ms: float | None, max_tokens: int, emitted: int) -> Request:
+    """A running request that has emitted `emitted` tokens of its `max_tokens`."""
+    r = Request("s", [1, 2], SamplingParams(max_tokens=max_tokens, slo_tpot_ms=slo_tpot_ms))
+    for i in range(emitted):
+        r.append_token(3, NOW - 0.1 * (emitted - i))
+    return r
+
+
+def _running(streams: list[Request]) -> Admission:
+    return Admission(SchedulerConfig(), LinearCost(), lambda: (streams, [], []), lambda: NOW)
+
+
+def test_a_newcomer_is_priced_by_the_batch_it_will_decode_in_as_streams_end():
+    # Three streams with 8 tokens left each (at most: max_tokens 10, 2 emitted). A newcomer of
+    # 64 tokens decodes 8 iterations beside them (4 rows: 24 ms) and 56 alone (21 ms): 21.375
+    # ms a token on average, not the 24 ms of the batch of now.
+    adm = _running([_stream(None, 10, 2) for _ in range(3)])
+    assert adm.predicted_tpot_s(max_tokens=64, over_life=False) == pytest.approx(0.024)
+    assert adm.predicted_tpot_s() == pytest.approx(0.024), "length unknown: the batch of now"
+    assert adm.predicted_tpot_s(max_tokens=64) == pytest.approx((8 * 0.024 + 56 * 0.021) / 64)
+    assert adm.predicted_tpot_s(max_tokens=8) == pytest.approx(0.024), "over before they end"
+    # A 23 ms SLO fits the newcomer's life, not the batch of now.
+    assert adm.refusal(23.0, max_tokens=64) is None
+    why = adm.refusal(23.0)
+    assert why is not None and "cannot be met" in why
+    # Speculation's tokens per iteration shorten every life in iterations alike.
+    adm.tokens_per_request = 2.0
+    assert adm.life_factor(32, 1, 32) == pytest.approx((4 * 0.024 + 28 * 0.021) / 32 / 0.024)
+
+
+def test_admitted_streams_are_protected_over_what_they_have_left():
+    # A 23 ms stream T with 998 tokens left, three streams without an SLO, and a newcomer
+    # (no SLO, 64 tokens): the batch of now (5 rows) is 25 ms, over T's SLO.
+    def admission(others_left: int) -> Admission:
+        others = [_stream(None, others_left + 2, 2) for _ in range(3)]
+        return _running([_stream(23.0, 1000, 2), *others])
+
+    # The others run as long as T: T decodes beside the newcomer at 25 ms for its first 64
+    # tokens, then at 24 ms: refused for T's sake.
+    why = admission(998).refusal(None, max_tokens=64)
+    assert why is not None and "slow the requests being served past their slo_tpot_ms 23" in why
+    # The others end in 8 tokens: T's remaining 998 tokens average
+    # (8 x 25 + 56 x 22 + 934 x 21) / 998 = 21.1 ms with the newcomer: admitted.
+    assert admission(8).refusal(None, max_tokens=64) is None
+    # T itself ends in 8 tokens: its last 8 tokens at 25 ms are over its SLO, so refused.
+    short = _running([_stream(23.0, 10, 2), *[_stream(None, 1000, 2) for _ in range(3)]])
+    assert short.refusal(None, max_tokens=64) is not None
+    # On its last token, T's mean no longer moves: nothing to protect.
+    last = _running([_stream(23.0, 3, 2), *[_stream(None, 1000, 2) for _ in range(3)]])
+    assert last.refusal(None, max_tokens=64) is None
