@@ -477,10 +477,11 @@ class Admission:
         that much sooner); `cached_tokens`: how many of its prompt's the prefix cache holds
         (its work and its first token are priced without them, its TTFT objective is not).
 
-        Refused when the predicted TPOT with it admitted exceeds `slo_headroom` of its own
-        SLO, or of the tightest SLO among the requests already admitted: a lenient request
-        that would push the others past theirs is refused too, so admitted requests keep
-        their SLOs. Given its prompt's length, also refused when its first token would come
+        Refused when the predicted TPOT with it admitted (over its life, `life_factor`)
+        exceeds `slo_headroom` of its own SLO, or when an admitted request would see over
+        `slo_headroom` of its SLO over the iterations it has left: a lenient request that
+        would push the others past theirs is refused too, so admitted requests keep their
+        SLOs. Given its prompt's length, also refused when its first token would come
         after `slo_headroom` of its TTFT objective (slo_ttft_ms, else the default one): queued
         for tens of seconds it is lost to its user whatever its TPOT, and its prefill would be
         paid by the requests behind it. The same headroom as for TPOT: both predictions miss
