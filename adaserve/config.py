@@ -211,6 +211,13 @@ class SchedulerConfig:
     prefill_iteration_ms: float = 500.0
     # B: tokens verified per target forward, all requests' roots included.
     budget: int = 16
+    # Policy adaserve only: the most tokens it verifies in one forward (roots included) when
+    # speculation control finds them worth their time; B still prices an iteration for the
+    # SLO step's A(r) and sizes what is prepared ahead (CUDA graphs). None: B. The server
+    # derives it from its start-up profile like B, at `CEILING_FACTOR` (profile.py): a
+    # forward of B tokens costs 1.5x a 1-token one, which leaves a batch of many requests
+    # room for little more than their roots (docs/scheduling.md, "The budget ceiling").
+    budget_ceiling: int | None = None
     max_depth: int = 6  # D_max
     max_width: int = 4  # W_max
     # Cap on a request's tree size (root included, as in Algorithm 2) in the SLO-customized step.
@@ -363,6 +370,8 @@ class SchedulerConfig:
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.budget_ceiling is not None and self.budget_ceiling <= 0:
+            raise ValueError(f"budget_ceiling must be > 0, got {self.budget_ceiling}")
         if not self.specinfer_expansion or min(self.specinfer_expansion) <= 0:
             raise ValueError(
                 f"specinfer_expansion must be positive ints, got {self.specinfer_expansion}"
@@ -391,6 +400,13 @@ class SchedulerConfig:
     @property
     def speculative(self) -> bool:
         return self.policy != "incremental"
+
+    @property
+    def selection_budget(self) -> int:
+        """Tokens a forward may verify: the ceiling for the controlled policy, else B."""
+        if self.controlled and self.budget_ceiling is not None:
+            return max(self.budget, self.budget_ceiling)
+        return self.budget
 
     @property
     def controlled(self) -> bool:

@@ -45,7 +45,15 @@ CLASS_GROUP: dict[type, str] = {
 _SPECULATION_PREFIXES = ("suffix_", "calibration_", "control_", "explore_", "probe_", "pad_")
 GROUP_OF: dict[str, str] = {
     **dict.fromkeys(
-        ("budget", "max_depth", "max_width", "n_max", "gamma", "specinfer_expansion"),
+        (
+            "budget",
+            "budget_ceiling",
+            "max_depth",
+            "max_width",
+            "n_max",
+            "gamma",
+            "specinfer_expansion",
+        ),
         "speculation",
     ),
     **dict.fromkeys(("t_spec_ema", "t_spec_init_s", "cost_forget"), "speculation"),
@@ -177,6 +185,9 @@ FIELD_HELP: dict[str, str] = {
     "unless a TTFT objective needs more (ms; 0: no limit): a prompt arriving during it waits",
     "budget": "B: tokens verified per target forward (serve: from --profile or a start-up "
     f"profile; elsewhere {SchedulerConfig.budget})",
+    "budget_ceiling": "policy adaserve: most tokens verified per forward, when speculation "
+    "control finds them worth their time (serve: from the profile, a forward of 6x a 1-token "
+    "one; unset elsewhere: B)",
     "max_depth": "D_max: depth of a draft model's trees (draft steps)",
     "max_width": "W_max: children per tree node",
     "n_max": "most nodes of one request's tree (root included)",

@@ -103,12 +103,21 @@ class LLMEngine:
         self._grammars_lock = threading.Lock()
 
     def apply_profile(
-        self, budget: int, t_spec_s: float, cost_model: ForwardCostModel | None = None
+        self,
+        budget: int,
+        t_spec_s: float,
+        cost_model: ForwardCostModel | None = None,
+        ceiling: int | None = None,
     ) -> None:
-        """Use a measured budget B, initial t_spec and forward cost model (engine idle only)."""
+        """Use a measured budget B, initial t_spec and forward cost model (engine idle only);
+        `ceiling`: the controlled policy's `budget_ceiling` (None: the configured one)."""
         if self.has_unfinished():
             raise RuntimeError("apply_profile needs an idle engine")
-        self.sched_cfg = replace(self.sched_cfg, budget=budget, t_spec_init_s=t_spec_s)
+        if ceiling is None:
+            ceiling = self.sched_cfg.budget_ceiling
+        self.sched_cfg = replace(
+            self.sched_cfg, budget=budget, budget_ceiling=ceiling, t_spec_init_s=t_spec_s
+        )
         self.scheduler = Scheduler(self.sched_cfg, self.engine, self.drafter, cost_model)
         self._capture_graphs()  # a larger B reaches more token buckets
         self.prepared = True

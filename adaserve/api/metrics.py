@@ -271,7 +271,7 @@ class ServerMetrics:
         )
         self.budget_utilization = Histogram(
             "adaserve_iteration_budget_utilization",
-            "Tokens verified / budget B per decode iteration",
+            "Tokens verified / budget B (policy adaserve: its ceiling) per decode iteration",
             buckets=UTILIZATION_BUCKETS,
             registry=r,
         )

@@ -78,6 +78,7 @@ class ModelInfo:
     root: str
     policy: str
     budget: int
+    budget_ceiling: int  # what policy adaserve may verify per forward (B for the others)
     drafter: str
     backend: str
     max_waiting: int | None
@@ -91,6 +92,7 @@ def model_info(engine: LLMEngine, cfg: ServerConfig) -> ModelInfo:
         root=str(engine.engine.target_path),
         policy=engine.sched_cfg.policy,
         budget=engine.sched_cfg.budget,
+        budget_ceiling=engine.scheduler.cfg.selection_budget,
         drafter=drafter.name if drafter is not None else "none",
         backend=getattr(engine.engine, "backend", "torch"),
         max_waiting=engine.sched_cfg.max_waiting,
@@ -210,7 +212,13 @@ def make_app(
         if not front.alive:
             return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse(
-            {"status": "ok", "policy": info.policy, "budget": info.budget, "drafter": info.drafter}
+            {
+                "status": "ok",
+                "policy": info.policy,
+                "budget": info.budget,
+                "budget_ceiling": info.budget_ceiling,
+                "drafter": info.drafter,
+            }
         )
 
     @app.get("/metrics", dependencies=auth if cfg.protect_metrics else [])

@@ -60,7 +60,7 @@ def spec_shape(cfg: SchedulerConfig, num_requests: int) -> SpecShape | None:
             width=max(cfg.specinfer_expansion),
             expansion=cfg.specinfer_expansion,
         )
-    d, w = tree_shape(cfg.budget, num_requests, cfg.max_depth, cfg.max_width)
+    d, w = tree_shape(cfg.selection_budget, num_requests, cfg.max_depth, cfg.max_width)
     return SpecShape(depth=d, width=w)
 
 
@@ -78,7 +78,8 @@ def select_nodes(
     p = cfg.policy
     roots = [[0] for _ in trees]
     if p in ("adaserve", "adaserve_paper"):
-        slo_step, budget_left = slo_customized_select(trees, a_cap, a_order, cfg.budget, cfg.n_max)
+        budget = cfg.selection_budget  # B, or the controlled policy's ceiling
+        slo_step, budget_left = slo_customized_select(trees, a_cap, a_order, budget, cfg.n_max)
         return throughput_optimized_select(trees, slo_step, budget_left), slo_step
     if p == "global_greedy":
         return global_greedy_select(trees, cfg.budget), roots

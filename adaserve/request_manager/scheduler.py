@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import uuid
 from collections import deque
+from dataclasses import replace
 
 import torch
 
@@ -58,9 +59,6 @@ class Scheduler:
 
         `drafter`: a name (`make_drafter`) or a Drafter instance (the simulator's).
         """
-        self.cfg = cfg
-        self.engine = engine
-        self.clock = engine.clock
         ids = getattr(engine.target.cache, "num_free_ids", None)
         if ids is not None and cfg.max_num_seqs + cfg.budget > ids:
             # ggml: each running request holds a sequence id and each extra leaf of a verified
@@ -69,6 +67,11 @@ class Scheduler:
                 f"max_num_seqs {cfg.max_num_seqs} + budget {cfg.budget} exceeds the "
                 f"{ids} sequence ids of the ggml backend; lower max_num_seqs"
             )
+        if ids is not None and cfg.max_num_seqs + cfg.selection_budget > ids:
+            cfg = replace(cfg, budget_ceiling=ids - cfg.max_num_seqs)  # as many leaves as ids
+        self.cfg = cfg
+        self.engine = engine
+        self.clock = engine.clock
         # Set to an AcceptanceLog to record every verified tree (`--record-acceptance`).
         self.acceptance_log: AcceptanceLog | None = None
         if cfg.record_acceptance is not None:
@@ -90,7 +93,9 @@ class Scheduler:
         if cost_model is None and (cfg.chunked_prefill or cfg.controlled):
             cost_model = ForwardCostModel(forget=cfg.cost_forget)
             if measure:
-                cost_model.seed_measured(engine.target, max(cfg.budget, 64), cfg.speculative)
+                cost_model.seed_measured(
+                    engine.target, max(cfg.selection_budget, 64), cfg.speculative
+                )
         self.cost = cost_model
         self.admission = Admission(
             cfg, cost_model, lambda: (self.running, self.prefilling, self.waiting), self.clock
@@ -244,7 +249,7 @@ class Scheduler:
         self._admit()
         start = self.clock()
         if not (self.running or self.prefilling):
-            return IterationPlan.empty(start, self.cfg.budget, idle=True)
+            return IterationPlan.empty(start, self.cfg.selection_budget, idle=True)
         gap = self.admission.gap_s(start)
         deferred: list[Request] = []
         if not self.cfg.chunked_prefill and self.prefilling:
@@ -261,7 +266,7 @@ class Scheduler:
         trees = self._plan_trees(decoding, shape, context)
         chunks = self._plan_chunks(decoding, trees, context)
         if not decoding and not chunks:  # _make_room finished the last request
-            return IterationPlan.empty(start, self.cfg.budget, tuple(cut_short))
+            return IterationPlan.empty(start, self.cfg.selection_budget, tuple(cut_short))
         plan = self._build(decoding, trees, chunks, context, start, gap, cut_short)
         plan.stats.deferred_rows = len(deferred)
         return plan
@@ -430,7 +435,7 @@ class Scheduler:
             prefill_tokens=prefill_tokens,
             prefill_requests=len(chunks),
             padded_tokens=pad_to,
-            budget=self.cfg.budget,
+            budget=self.cfg.selection_budget,
             speculative=self.cfg.speculative and bool(decoding),
             drafted=spec.shape is not None,
             draft_nodes=sum(len(t) - 1 for t in spec.trees),
@@ -445,7 +450,7 @@ class Scheduler:
             batch=batch,
             pad_to=pad_to,
             draft_batch=draft_builder.batch if len(draft_builder) else None,
-            budget=self.cfg.budget,
+            budget=self.cfg.selection_budget,
             context=context,
             chunk_context=chunk_context,
             predicted_s=predicted,

@@ -101,7 +101,7 @@ class TreePlanner:
         shape = spec_shape(self.cfg, len(running))
         ctl = self.controller
         if shape is not None and self.cfg.controlled:
-            if len(running) >= self.cfg.budget:
+            if len(running) >= self.cfg.selection_budget:
                 return None  # the roots alone fill the budget: nothing could be verified
             context = sum(r.num_cached for r in running)
             if not ctl.should_draft(len(running), shape, context):

@@ -31,7 +31,7 @@ from adaserve.bench.workload import (
 )
 from adaserve.cluster.router import ROUTERS
 from adaserve.config import POLICIES, SchedulerConfig
-from adaserve.request_manager.control.profile import DEFAULT_BUDGET_FACTOR
+from adaserve.request_manager.control.profile import CEILING_FACTOR, DEFAULT_BUDGET_FACTOR
 from adaserve.sim.acceptance import load_acceptance
 from adaserve.sim.cost import (
     DEFAULT_EFFICIENCY,
@@ -85,6 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=DEFAULT_BUDGET_FACTOR,
         help="B = largest count whose forward costs <= this x a 1-token forward",
+    )
+    p.add_argument(
+        "--ceiling-factor",
+        type=float,
+        default=CEILING_FACTOR,
+        help="policy adaserve's budget ceiling by the same rule (what `adaserve serve` "
+        "derives from its profile; with --budget, the ceiling is B, as on the server)",
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument(
@@ -178,9 +185,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
     cost = load_cost(a.cost_model, a.draft_cost_model, a.efficiency)
     budget = a.budget if a.budget is not None else derive_sim_budget(cost.target, a.budget_factor)
+    # An explicit B is B for every policy; otherwise adaserve's ceiling by the server's rule.
+    ceiling = None if a.budget is not None else derive_sim_budget(cost.target, a.ceiling_factor)
     sched = SchedulerConfig(
         policy=policy,
         budget=budget,
+        budget_ceiling=ceiling,
         max_num_seqs=a.max_num_seqs,
         chunked_prefill=not a.no_chunked_prefill,
         t_spec_init_s=cost.target.curve(budget, 256, 8),
@@ -221,7 +231,8 @@ def run(a: argparse.Namespace) -> int:
         a.baseline_latency_ms = baseline_latency_ms(first.cost.target)
     print(
         f"cost model: {first.cost.target.name}; draft: "
-        f"{first.cost.draft.name if first.cost.draft else 'none'}; B = {first.sched.budget}; "
+        f"{first.cost.draft.name if first.cost.draft else 'none'}; B = {first.sched.budget} "
+        f"(adaserve's ceiling {first.sched.budget_ceiling or first.sched.budget}); "
         f"baseline latency {a.baseline_latency_ms or 0:.2f} ms; acceptance: "
         f"{first.acceptance.name if first.acceptance else 'none'}; forward-time noise: "
         f"{first.noise.describe() if first.noise else 'none'}",

@@ -269,6 +269,7 @@ def test_every_policy_gives_incremental_greedy_output():
     want = run(policy="incremental")
     for kw in (
         dict(policy="adaserve", drafter="suffix"),
+        dict(policy="adaserve", drafter="suffix", budget_ceiling=48),
         dict(policy="adaserve", drafter="model"),
         dict(policy="adaserve_paper"),
         dict(policy="specinfer"),
@@ -469,3 +470,14 @@ def test_decode_rows_and_a_prompt_chunk_split_apart_give_the_one_call_logits(run
     # activations round apart (measured: up to 0.59 on logits up to 28), the argmax stays.
     assert torch.equal(split.argmax(1), one.argmax(1))
     assert (split[:3] - one[:3]).abs().max() < 0.05 * one.abs().max()
+
+
+def test_the_ceiling_leaves_every_running_request_a_sequence_id():
+    """Each extra leaf of a verified tree borrows a llama.cpp sequence id beside the running
+    requests' own: a ceiling past what is left is lowered to it, never an error mid-serve."""
+    llm = LLM(backend="ggml", policy="adaserve", budget=4, budget_ceiling=200, max_num_seqs=250)
+    ids = llm.llm_engine.engine.target.cache.num_free_ids
+    cfg = llm.llm_engine.scheduler.cfg
+    assert cfg.budget_ceiling == ids - 250 and cfg.selection_budget == ids - 250
+    out = llm.generate(["Name three colors."], SamplingParams(max_tokens=8, temperature=0.0))
+    assert len(out[0].outputs[0].token_ids) == 8

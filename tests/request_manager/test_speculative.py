@@ -52,14 +52,9 @@ def run(engine: LLMEngine, prompts, params) -> tuple[list[list[int]], list]:
                 done[out.request_id] = out.outputs[0].token_ids
         s = engine.last_stats
         stats.append(s)
-        if (
-            s.kind == "decode"
-            and engine.sched_cfg.policy in BUDGETED
-            and s.num_requests <= engine.sched_cfg.budget
-        ):
-            assert s.num_tokens <= engine.sched_cfg.budget, (
-                f"verified {s.num_tokens} tokens with budget {engine.sched_cfg.budget}"
-            )
+        limit = engine.scheduler.cfg.selection_budget  # B, or policy adaserve's ceiling
+        if s.kind == "decode" and engine.sched_cfg.policy in BUDGETED and s.num_requests <= limit:
+            assert s.num_tokens <= limit, f"verified {s.num_tokens} tokens with limit {limit}"
     return [done[i] for i in ids], stats
 
 
@@ -120,7 +115,9 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
     # near-ties (docs/ggml.md); tests/exec/test_ggml.py has that backend's own check.
     incremental = make_engine(default_model_dir, None, "incremental", 256, backend="torch")
     ref, _ = run(incremental, prompts, params)
-    for policy in [p for p in POLICIES if p != "incremental"]:
+    # Last, adaserve with B = 4 and a ceiling of 32: its trees must go past B.
+    budgets = [(p, {}) for p in POLICIES if p != "incremental"]
+    for policy, budget in budgets + [("adaserve", {"budget": 4, "budget_ceiling": 32})]:
         # On the engine's clock the target is memory-bound, as on a GPU: a forward costs
         # 30 ms plus 0.2 ms a token, so a suffix tree pays and speculation control (policy
         # adaserve) keeps it. On the host clock control's choice would depend on how loaded
@@ -135,6 +132,7 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
                 drafter="suffix",
                 backend="torch",
                 prepare=False,
+                **budget,
             ),
             memory_bound,
         )
@@ -142,6 +140,9 @@ def test_default_target_with_the_suffix_drafter_is_lossless_under_every_policy(d
         assert got == ref, f"{policy} with the suffix drafter differs from incremental greedy"
         accepted = sum(s.accepted_tokens for s in stats if s.kind == "decode")
         assert accepted > 0, f"{policy}: the suffix drafter never got a token accepted"
+        if budget:
+            most = max(s.num_tokens for s in stats if s.kind == "decode")
+            assert most > engine.sched_cfg.budget, f"never verified past B ({most} tokens)"
         assert_no_blocks_held(engine)
 
 

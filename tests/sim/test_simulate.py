@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 from dataclasses import replace
@@ -140,6 +141,58 @@ def test_the_budget_and_the_kv_pool_bind_as_in_the_real_engine(policy: str) -> N
     assert run.preemptions > 0, "the small pool never forced a preemption"
     assert seen["max_used"] > 16, "the pool was never nearly full"
     assert run.accepted_tokens > 0, f"{policy} accepted nothing"
+
+
+def test_only_adaserve_verifies_past_b_and_never_past_its_ceiling() -> None:
+    # Tree tokens cost 0.5 ms on a 20 ms forward and the drafter's chains are usually right:
+    # nodes pay, so the controlled policy takes more than B where its ceiling lets it; the
+    # published algorithm and the greedy baselines stay within B.
+    budget, ceiling = 8, 24
+    most: dict[str, int] = {}
+    for policy in ("adaserve", "adaserve_paper", "global_greedy"):
+        s = setup(
+            policy,
+            LinearCost(),
+            budget=budget,
+            budget_ceiling=ceiling,
+            drafter="suffix",
+            acceptance=ParametricAcceptance(0.9, 0.98),
+        )
+        seen = [0]
+
+        limit = ceiling if policy == "adaserve" else budget
+
+        def check(sched, seen=seen, limit=limit) -> None:
+            st = sched.last_stats
+            if st is not None and st.kind == "decode":
+                seen[0] = max(seen[0], st.num_tokens)
+                assert st.num_tokens <= max(limit, st.num_requests), "verified past the limit"
+
+        run = simulate(bench_requests(6, 0.01, out=48), s, on_step=check)
+        assert all(r.completed and r.output_tokens == 48 for r in run.records)
+        most[policy] = seen[0]
+    assert most["adaserve"] > budget, f"the ceiling was never used: {most}"
+    assert most["adaserve_paper"] <= budget and most["global_greedy"] <= budget, most
+
+
+def test_simulate_gives_adaserve_the_servers_ceiling_unless_b_is_set() -> None:
+    from adaserve.sim.run import add_arguments, setup_from_args
+
+    def sched(*extra: str) -> SchedulerConfig:
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        a = p.parse_args(
+            ["--trace", "t.json", "--cost-model", "table:qwen2.5-32b-artifact", *extra]
+        )
+        return setup_from_args(a, "adaserve").sched
+
+    cost = load_cost("table:qwen2.5-32b-artifact", None)
+    default = sched()
+    assert default.budget == derive_sim_budget(cost.target, 1.5)
+    assert default.budget_ceiling == derive_sim_budget(cost.target, 6.0) > default.budget
+    assert sched("--ceiling-factor", "3").budget_ceiling == derive_sim_budget(cost.target, 3.0)
+    explicit = sched("--budget", "40")
+    assert explicit.budget_ceiling is None and explicit.selection_budget == 40
 
 
 def test_a_seed_makes_a_run_repeatable() -> None:

@@ -528,3 +528,30 @@ def test_padding_that_ran_slower_than_predicted_stops():
     )
     assert ctl.forward_s(4, 0) > 0.95 * cost.predict(4, 0), "plain decode priced as padded"
     assert ctl.tree_cost_factor == 1.0, "no tree forward was observed"
+
+
+def test_the_ceiling_widens_only_the_controlled_policys_trees_and_selection() -> None:
+    from adaserve.request_manager.policies import select_nodes, spec_shape
+
+    # 8 requests, B = 8: the roots fill B, so the paper's shape is depth 1, width 1 and its
+    # selection the roots alone; with a ceiling of 32 the controlled policy may draft 4 a
+    # request and select beyond the roots (speculation control then prunes what does not pay).
+    paper = SchedulerConfig(policy="adaserve_paper", budget=8, budget_ceiling=32)
+    controlled = SchedulerConfig(policy="adaserve", budget=8, budget_ceiling=32)
+    assert paper.selection_budget == 8 and controlled.selection_budget == 32
+    assert SchedulerConfig(policy="adaserve", budget=8).selection_budget == 8, "None: B"
+    assert SchedulerConfig(policy="adaserve", budget=8, budget_ceiling=4).selection_budget == 8
+    assert (spec_shape(paper, 8).depth, spec_shape(paper, 8).width) == (1, 1)
+    assert (spec_shape(controlled, 8).depth, spec_shape(controlled, 8).width) == (4, 4)
+    # One chain per request, each node at probability 0.9.
+    trees = []
+    for _ in range(8):
+        t = CandidateTree.root(1)
+        t.add_nodes([0, 1, 2], [5, 6, 7], [math.log(0.9)] * 3)
+        trees.append(t)
+    need = [1.5] * 8  # every request needs more than its root this iteration
+    for cfg, tokens in ((paper, 8), (controlled, 32)):
+        selected, _ = select_nodes(cfg, trees, need, need)
+        assert sum(len(s) for s in selected) == tokens
+    with pytest.raises(ValueError, match="budget_ceiling must be > 0"):
+        SchedulerConfig(budget_ceiling=0)
