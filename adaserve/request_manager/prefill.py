@@ -145,6 +145,25 @@ def tpot_time_limit(
     return limit
 
 
+def pace_allowance(
+    req: Request,
+    expected_tokens: float,
+    now: float,
+    margin: float = SchedulerConfig.slo_pace_margin,
+    repay: float = SchedulerConfig.slo_repay,
+) -> float | None:
+    """The longest iteration `req` affords at its pace without lending banked time (seconds):
+    pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r, 0), a stream behind its pace repaying
+    first; None without a paced SLO (best effort) or before its first token."""
+    slo_ms, first = req.paced_slo_tpot_ms, req.metrics.first_token_time
+    if slo_ms is None or first is None:
+        return None
+    pace = (1.0 - margin) * slo_ms / 1000.0
+    bank = pace * (len(req.output_token_ids) - 1) - (now - first)
+    due = pace * expected_tokens
+    return due + max(min(bank, 0.0), -repay * due)
+
+
 def largest_chunk(
     cost: CostFn, tree_tokens: int, context: int, limit_s: float, cap: int, cached: int = 0
 ) -> int:

@@ -24,6 +24,7 @@ from adaserve.request_manager.control.cost_model import ForwardCostModel
 from adaserve.request_manager.drafters import Drafter, make_drafter
 from adaserve.request_manager.drafters.combined import CombinedDrafter
 from adaserve.request_manager.policies import SpecShape, select_nodes, spec_shape
+from adaserve.request_manager.prefill import pace_allowance
 from adaserve.request_manager.request import Request
 from adaserve.request_manager.slo import slo_requirements
 from adaserve.tree import CandidateTree, subtree, top_chain
@@ -187,7 +188,15 @@ class TreePlanner:
         a_cap, a_need = slo_requirements(reqs, t_draft, t_spec, shape.depth)
         selections, slo_step = select_nodes(self.cfg, scored, a_cap, a_need)
         cached = [r.num_cached for r in reqs]
-        selections, _ = ctl.prune(scored, selections, slo_step, context, cached)
+        allowance = None
+        if self.cfg.selection_budget > self.cfg.budget:
+            # Past B only within every stream's pace (controller.prune, `budget_ceiling`).
+            now, margin, repay = t_draft, self.cfg.slo_pace_margin, self.cfg.slo_repay
+
+            def allowance(i: int, e: float) -> float | None:
+                return pace_allowance(reqs[i], e, now, margin, repay)
+
+        selections, _ = ctl.prune(scored, selections, slo_step, context, cached, allowance)
         expected = [sum(t.path_prob(v) for v in sel) for t, sel in zip(scored, selections)]
         return TreePlan(
             trees,

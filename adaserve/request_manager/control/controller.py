@@ -18,6 +18,11 @@ forward time by tokens and context, measured from the iterations the server runs
    least probable leaf first (throughput-step nodes before SLO-step nodes), and the tree size
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
    decoding, so an iteration never predicts fewer tokens per second than incremental.
+   With a budget ceiling above B (`budget_ceiling`), a tree size that takes the forward past
+   B is kept only if the forward fits every running stream's pace at the tokens it expects
+   from it (`prefill.pace_allowance`: its pace x e_r, less what it must repay when behind):
+   tokens past B raise the forward's tokens per second, but a stream with few of them pays
+   the whole longer forward for its one token, and at a tight SLO it lost its pace.
    T(n + k) is never taken below T(n) + k x the cost model's per-token slope around those
    sizes (`verify_s`): two adjacent buckets' fits can differ by noise alone, and a node
    priced at that difference is verified whatever its acceptance. Nor is a tree forward
@@ -45,7 +50,7 @@ forward time by tokens and context, measured from the iterations the server runs
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from adaserve.config import SchedulerConfig
 from adaserve.request_manager.control.calibration import AcceptanceCalibrator
@@ -68,6 +73,42 @@ OVERRUN_DECAY = 0.95
 OVERRUN_PRIOR = 2.0
 TREE_FACTOR_BOUNDS = (0.67, 2.0)
 OVERRUN_CAP = math.log(3.0)
+
+# (request index, tokens it expects from this forward) -> the longest forward its pace
+# affords in seconds; None: the request keeps no pace.
+Allowance = Callable[[int, float], float | None]
+
+
+class _PaceFit:
+    """Which prefixes of the pruning order fit every stream's pace (`prune`'s `allowance`).
+
+    `ok[k]` for the first k nodes added: True up to the `within` nodes B holds beside the
+    roots, and past them only while the predicted forward is no longer than the smallest
+    allowance, each request's at the tokens it expects from its nodes among those k. An
+    allowance only grows as its request gains nodes, so the minimum is recomputed only when
+    the request that held it gains one."""
+
+    def __init__(self, n: int, within: int, allowance: Allowance | None) -> None:
+        self.ok = [True]
+        self.within, self.allowance = within, allowance
+        if allowance is None:
+            return
+        self.expected = [1.0] * n
+        self.allow = [allowance(r, 1.0) for r in range(n)]
+        self.limit = min((a for a in self.allow if a is not None), default=math.inf)
+
+    def add(self, k: int, r: int, p: float, verify_s: float) -> None:
+        """The k-th node added belongs to request r, expected accepted with probability p;
+        the forward of the first k is predicted at verify_s."""
+        if self.allowance is None:
+            self.ok.append(True)
+            return
+        self.expected[r] += p
+        held = self.allow[r]
+        self.allow[r] = self.allowance(r, self.expected[r])
+        if held is not None and held <= self.limit:
+            self.limit = min((a for a in self.allow if a is not None), default=math.inf)
+        self.ok.append(k <= self.within or verify_s <= self.limit)
 
 
 class SpeculationController:
@@ -343,13 +384,18 @@ class SpeculationController:
         protected: Sequence[Sequence[int]],
         context: int,
         cached: Sequence[int] | None = None,
+        allowance: Allowance | None = None,
     ) -> tuple[list[list[int]], float]:
         """Keep the prefix of the selection that maximises expected tokens per second.
 
         `trees` are calibrated; `protected` are the SLO step's nodes (dropped last); `cached`:
         each request's tokens in the KV cache (a node at depth d attends cached + d + 1 keys,
         so a node of a long request costs more; None: every request at the mean context).
-        Returns (selections, expected tokens E of what is kept).
+        `allowance(r, e_r)`: the longest forward request r's pace affords when it expects e_r
+        tokens from it (None: r keeps no pace); given, a prefix that takes the forward past B
+        (the budget ceiling) is kept only if its predicted forward fits every allowance, so
+        the tokens past B that raise the forward's tokens per second never cost the tightest
+        stream its pace. Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
         # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties
@@ -373,10 +419,14 @@ class SpeculationController:
             )
         best_k, best_rate = 0, n / self.forward_s(n, context)
         expected = best_expected = float(n)
+        fits = _PaceFit(n, self.cfg.budget - n, allowance)  # nodes B holds beside the roots
         for k, (*_, r, v) in enumerate(adds, start=1):
-            expected += trees[r].path_prob(v)
-            rate = expected / self.verify_s(n, k, context, pairs[k])
-            if rate > best_rate:
+            p = trees[r].path_prob(v)
+            expected += p
+            verify_s = self.verify_s(n, k, context, pairs[k])
+            fits.add(k, r, p, verify_s)
+            rate = expected / verify_s
+            if rate > best_rate and fits.ok[k]:
                 best_k, best_rate, best_expected = k, rate, expected
         if self.exploring:
             # What "pays" above rests on the draft's own word (a cold prior): nothing is
@@ -389,7 +439,8 @@ class SpeculationController:
         # cannot pay for them all, the most probable nodes it can pay for.
         base_s = self.verify_s(n, best_k, context, pairs[best_k])
         while explore_k > best_k and (
-            self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
+            not fits.ok[explore_k]
+            or self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
         ):
             explore_k -= 1
         if explore_k > best_k:
@@ -540,6 +591,7 @@ class NoControl:
         protected: Sequence[Sequence[int]],
         context: int,
         cached: Sequence[int] | None = None,
+        allowance: Allowance | None = None,
     ) -> tuple[list[list[int]], float]:
         expected = sum(t.path_prob(v) for t, sel in zip(trees, selections) for v in sel)
         return [list(s) for s in selections], expected

@@ -555,3 +555,107 @@ def test_the_ceiling_widens_only_the_controlled_policys_trees_and_selection() ->
         assert sum(len(s) for s in selected) == tokens
     with pytest.raises(ValueError, match="budget_ceiling must be > 0"):
         SchedulerConfig(budget_ceiling=0)
+
+
+def test_past_b_only_what_every_streams_pace_affords() -> None:
+    """A ceiling of 16 over B = 4: nodes past B that raise the forward's tokens per second
+    are kept only while the forward fits every stream's pace at the tokens it expects; within
+    B nothing changes, and a stream that keeps no pace (best effort) sets no limit."""
+    cfg = SchedulerConfig(policy="adaserve", budget=4, budget_ceiling=16)
+    # Exact sizes (llama.cpp), tree tokens nearly free: the whole chain pays.
+    ctl = _warm(SpeculationController(cfg, False, 0, _cost({1: 50, 2: 50, 4: 52, 8: 56})))
+    good, bare = _tree([0.95] * 6), _tree([])
+    trees, selection, protected = [good, bare], [list(range(7)), [0]], [[0], [0]]
+    kept, _ = ctl.prune(trees, selection, protected, context=0)
+    assert kept == selection, "without paces the chain that pays was not kept whole"
+
+    def forward_s(k: int) -> float:  # the first k nodes of the chain, priced as prune does
+        return ctl.verify_s(2, k, 0, sum(d + 1 for d in range(1, k + 1)))
+
+    assert forward_s(3) > forward_s(2), "the cost model must charge a node past B"
+
+    def paces(bare_s: float):
+        # The good chain's stream is loose; the bare stream expects one token (no nodes).
+        return lambda r, e: 10.0 if r == 0 else bare_s * e
+
+    for bare_s, nodes in (
+        (forward_s(2) * 1.001, 2),  # a 5-token forward is past the bare stream's pace
+        (forward_s(2) * 0.5, 2),  # lost whatever: B's nodes stay, nothing past B
+        (forward_s(4) * 1.001, 4),
+        (forward_s(6) * 1.001, 6),
+    ):
+        kept, expected = ctl.prune(trees, selection, protected, 0, None, paces(bare_s))
+        assert kept == [list(range(nodes + 1)), [0]], f"pace {bare_s * 1e3:.2f} ms kept {kept}"
+        assert expected == pytest.approx(2 + sum(0.95**d for d in range(1, nodes + 1)))
+    kept, _ = ctl.prune(trees, selection, protected, 0, None, lambda r, e: None)
+    assert kept == selection, "streams that keep no pace limited the forward"
+
+
+def _compute_bound(tokens: int) -> float:
+    """A target whose verified tokens cost half a 1-token forward each (llama.cpp on a CPU)."""
+    return 0.006 + 0.003 * tokens
+
+
+def _tight_stream_beside_a_good_draft(target, monkeypatch, bounded: bool):
+    """A stream the suffix drafter knows (its answer served before, no SLO) beside a new one
+    at a 20-ms SLO, B = 3 and a ceiling of 16, on a compute-bound engine clock. Returns
+    (greedy outputs, the tight stream's TPOT in ms, the most tokens a forward verified)."""
+    if not bounded:  # what the ceiling did before its pace bound: no stream sets a limit
+        monkeypatch.setattr(
+            "adaserve.request_manager.speculation.pace_allowance", lambda *a, **k: None
+        )
+    engine = slow_forwards(
+        make_engine(
+            target,
+            None,
+            "adaserve",
+            256,
+            drafter="suffix",
+            prepare=False,
+            budget=3,
+            budget_ceiling=16,
+        ),
+        _compute_bound,
+    )
+    known, new = [7, 8, 9, 10, 11, 12], [30, 31, 32]
+    # Served twice: the second time its answer is in the global index, and calibration learns
+    # from what the target accepts that the drafter's chains are right.
+    for _ in range(2):
+        run(engine, [known], [SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)])
+    params = [
+        SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, slo_tpot_ms=20.0),
+    ]
+    ids = [engine.add_request(p, sp).request_id for p, sp in zip([known, new], params)]
+    done: dict[str, list[int]] = {}
+    times: list[float] = []  # engine-clock time of each of the tight stream's tokens
+    most = 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == ids[1]:
+                grown = len(out.outputs[0].token_ids) - len(times)
+                times.extend([engine.engine.clock()] * grown)
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        if engine.last_stats.kind == "decode":
+            most = max(most, engine.last_stats.num_tokens)
+    tpot_ms = 1000 * (times[-1] - times[0]) / (len(times) - 1)
+    return [done[i] for i in ids], tpot_ms, most
+
+
+def test_a_tight_stream_keeps_its_pace_beside_tokens_past_b(tiny_llama, monkeypatch):
+    ref, _ = run(
+        make_engine(tiny_llama, None, "incremental", 256),
+        [[7, 8, 9, 10, 11, 12], [30, 31, 32]],
+        [
+            SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+        ],
+    )
+    got, tpot_ms, most = _tight_stream_beside_a_good_draft(tiny_llama, monkeypatch, True)
+    assert got == ref, "the ceiling changed the greedy output"
+    assert tpot_ms <= 20.0, f"the 20-ms stream ran at {tpot_ms:.1f} ms a token"
+    assert most > 3, f"the ceiling was never used once the tight stream was done ({most})"
+    # The same run without the pace bound: the known stream's long trees cost it its SLO.
+    _, unbounded_ms, _ = _tight_stream_beside_a_good_draft(tiny_llama, monkeypatch, False)
+    assert unbounded_ms > 20.0, f"without the bound the stream still met it ({unbounded_ms:.1f})"
