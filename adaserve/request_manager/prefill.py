@@ -148,20 +148,16 @@ def tpot_time_limit(
 def pace_allowance(
     req: Request,
     expected_tokens: float,
-    now: float,
     margin: float = SchedulerConfig.slo_pace_margin,
-    repay: float = SchedulerConfig.slo_repay,
 ) -> float | None:
-    """The longest iteration `req` affords at its pace without lending banked time (seconds):
-    pace_r * e_r + clamp(bank_r, -repay * pace_r * e_r, 0), a stream behind its pace repaying
-    first; None without a paced SLO (best effort) or before its first token."""
-    slo_ms, first = req.paced_slo_tpot_ms, req.metrics.first_token_time
-    if slo_ms is None or first is None:
+    """The longest iteration that keeps `req` within its pace at the tokens it expects from
+    it: (1 - margin) * slo_r * e_r, seconds; None without a paced SLO (best effort) or before
+    its first token. No bank is lent and no deficit repaid here: this bounds only what a
+    forward past B may add (`controller.prune`)."""
+    slo_ms = req.paced_slo_tpot_ms
+    if slo_ms is None or req.metrics.first_token_time is None:
         return None
-    pace = (1.0 - margin) * slo_ms / 1000.0
-    bank = pace * (len(req.output_token_ids) - 1) - (now - first)
-    due = pace * expected_tokens
-    return due + max(min(bank, 0.0), -repay * due)
+    return (1.0 - margin) * slo_ms / 1000.0 * expected_tokens
 
 
 def largest_chunk(

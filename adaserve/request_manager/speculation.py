@@ -191,10 +191,10 @@ class TreePlanner:
         allowance = None
         if self.cfg.selection_budget > self.cfg.budget:
             # Past B only within every stream's pace (controller.prune, `budget_ceiling`).
-            now, margin, repay = t_draft, self.cfg.slo_pace_margin, self.cfg.slo_repay
+            margin = self.cfg.slo_pace_margin
 
             def allowance(i: int, e: float) -> float | None:
-                return pace_allowance(reqs[i], e, now, margin, repay)
+                return pace_allowance(reqs[i], e, margin)
 
         selections, _ = ctl.prune(scored, selections, slo_step, context, cached, allowance)
         expected = [sum(t.path_prob(v) for v in sel) for t, sel in zip(scored, selections)]

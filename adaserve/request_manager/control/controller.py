@@ -80,21 +80,29 @@ Allowance = Callable[[int, float], float | None]
 
 
 class _PaceFit:
-    """Which prefixes of the pruning order fit every stream's pace (`prune`'s `allowance`).
+    """Which prefixes of the pruning order a forward may run past B (`prune`'s `allowance`).
 
     `ok[k]` for the first k nodes added: True up to the `within` nodes B holds beside the
-    roots, and past them only while the predicted forward is no longer than the smallest
-    allowance, each request's at the tokens it expects from its nodes among those k. An
-    allowance only grows as its request gains nodes, so the minimum is recomputed only when
-    the request that held it gains one."""
+    roots. Past them, the streams that B's forward (the first `within` nodes) keeps within
+    their allowance are protected: a longer forward is allowed only while it stays within
+    every protected stream's allowance at the tokens it expects from its nodes among the k.
+    A stream B's forward already takes past its pace does not stop the others' nodes (more of
+    its own can only raise its allowance). An allowance only grows as its request gains
+    nodes, so the minimum is recomputed only when the request that held it gains one."""
 
-    def __init__(self, n: int, within: int, allowance: Allowance | None) -> None:
+    def __init__(self, n: int, within: int, allowance: Allowance | None, plain_s: float) -> None:
         self.ok = [True]
         self.within, self.allowance = within, allowance
         if allowance is None:
             return
         self.expected = [1.0] * n
         self.allow = [allowance(r, 1.0) for r in range(n)]
+        self.limit = math.inf
+        if within <= 0:  # the roots alone fill B: their forward is B's
+            self._protect(plain_s)
+
+    def _protect(self, b_forward_s: float) -> None:
+        self.allow = [a if a is not None and a >= b_forward_s else None for a in self.allow]
         self.limit = min((a for a in self.allow if a is not None), default=math.inf)
 
     def add(self, k: int, r: int, p: float, verify_s: float) -> None:
@@ -105,8 +113,11 @@ class _PaceFit:
             return
         self.expected[r] += p
         held = self.allow[r]
-        self.allow[r] = self.allowance(r, self.expected[r])
-        if held is not None and held <= self.limit:
+        if k <= self.within or held is not None:
+            self.allow[r] = self.allowance(r, self.expected[r])
+        if k == self.within:
+            self._protect(verify_s)
+        elif k > self.within and held is not None and held <= self.limit:
             self.limit = min((a for a in self.allow if a is not None), default=math.inf)
         self.ok.append(k <= self.within or verify_s <= self.limit)
 
@@ -393,9 +404,10 @@ class SpeculationController:
         so a node of a long request costs more; None: every request at the mean context).
         `allowance(r, e_r)`: the longest forward request r's pace affords when it expects e_r
         tokens from it (None: r keeps no pace); given, a prefix that takes the forward past B
-        (the budget ceiling) is kept only if its predicted forward fits every allowance, so
-        the tokens past B that raise the forward's tokens per second never cost the tightest
-        stream its pace. Returns (selections, expected tokens E of what is kept).
+        (the budget ceiling) is kept only if its predicted forward fits the allowance of
+        every stream that B's forward keeps within its own (`_PaceFit`), so the tokens past B
+        that raise the forward's tokens per second never take a stream past its pace.
+        Returns (selections, expected tokens E of what is kept).
         """
         n = len(trees)
         # Removal order: unprotected before protected, lowest f(v) first, deeper first on ties
@@ -417,9 +429,11 @@ class SpeculationController:
             pairs.append(
                 pairs[-1] + (mean if cached is None else cached[r]) + trees[r].depths[v] + 1
             )
-        best_k, best_rate = 0, n / self.forward_s(n, context)
+        plain_s = self.forward_s(n, context)
+        best_k, best_rate = 0, n / plain_s
         expected = best_expected = float(n)
-        fits = _PaceFit(n, self.cfg.budget - n, allowance)  # nodes B holds beside the roots
+        # Nodes B holds beside the roots; past them, only what every stream's pace allows.
+        fits = _PaceFit(n, self.cfg.budget - n, allowance, plain_s)
         for k, (*_, r, v) in enumerate(adds, start=1):
             p = trees[r].path_prob(v)
             expected += p

@@ -559,8 +559,9 @@ def test_the_ceiling_widens_only_the_controlled_policys_trees_and_selection() ->
 
 def test_past_b_only_what_every_streams_pace_affords() -> None:
     """A ceiling of 16 over B = 4: nodes past B that raise the forward's tokens per second
-    are kept only while the forward fits every stream's pace at the tokens it expects; within
-    B nothing changes, and a stream that keeps no pace (best effort) sets no limit."""
+    are kept only while the forward fits the pace of every stream that B's forward keeps
+    within its own, at the tokens it expects; within B nothing changes, and a stream that
+    keeps no pace (best effort) sets no limit."""
     cfg = SchedulerConfig(policy="adaserve", budget=4, budget_ceiling=16)
     # Exact sizes (llama.cpp), tree tokens nearly free: the whole chain pays.
     ctl = _warm(SpeculationController(cfg, False, 0, _cost({1: 50, 2: 50, 4: 52, 8: 56})))
@@ -580,7 +581,8 @@ def test_past_b_only_what_every_streams_pace_affords() -> None:
 
     for bare_s, nodes in (
         (forward_s(2) * 1.001, 2),  # a 5-token forward is past the bare stream's pace
-        (forward_s(2) * 0.5, 2),  # lost whatever: B's nodes stay, nothing past B
+        # B's forward already takes it past its pace: it does not stop the others' nodes.
+        (forward_s(2) * 0.5, 6),
         (forward_s(4) * 1.001, 4),
         (forward_s(6) * 1.001, 6),
     ):
@@ -598,7 +600,7 @@ def _compute_bound(tokens: int) -> float:
 
 def _tight_stream_beside_a_good_draft(target, monkeypatch, bounded: bool):
     """A stream the suffix drafter knows (its answer served before, no SLO) beside a new one
-    at a 20-ms SLO, B = 3 and a ceiling of 16, on a compute-bound engine clock. Returns
+    at a 22-ms SLO, B = 3 and a ceiling of 16, on a compute-bound engine clock. Returns
     (greedy outputs, the tight stream's TPOT in ms, the most tokens a forward verified)."""
     if not bounded:  # what the ceiling did before its pace bound: no stream sets a limit
         monkeypatch.setattr(
@@ -624,7 +626,7 @@ def _tight_stream_beside_a_good_draft(target, monkeypatch, bounded: bool):
         run(engine, [known], [SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)])
     params = [
         SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True),
-        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, slo_tpot_ms=20.0),
+        SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, slo_tpot_ms=22.0),
     ]
     ids = [engine.add_request(p, sp).request_id for p, sp in zip([known, new], params)]
     done: dict[str, list[int]] = {}
@@ -654,8 +656,8 @@ def test_a_tight_stream_keeps_its_pace_beside_tokens_past_b(tiny_llama, monkeypa
     )
     got, tpot_ms, most = _tight_stream_beside_a_good_draft(tiny_llama, monkeypatch, True)
     assert got == ref, "the ceiling changed the greedy output"
-    assert tpot_ms <= 20.0, f"the 20-ms stream ran at {tpot_ms:.1f} ms a token"
+    assert tpot_ms <= 22.0, f"the 22-ms stream ran at {tpot_ms:.1f} ms a token"
     assert most > 3, f"the ceiling was never used once the tight stream was done ({most})"
     # The same run without the pace bound: the known stream's long trees cost it its SLO.
     _, unbounded_ms, _ = _tight_stream_beside_a_good_draft(tiny_llama, monkeypatch, False)
-    assert unbounded_ms > 20.0, f"without the bound the stream still met it ({unbounded_ms:.1f})"
+    assert unbounded_ms > 22.0, f"without the bound the stream still met it ({unbounded_ms:.1f})"
