@@ -81,9 +81,11 @@ def build_engine(a: argparse.Namespace) -> tuple[LLMEngine, bool]:
         else:
             cached_profile = not a.profile
             cost = prof.forward_cost_model(engine.sched_cfg.cost_forget)
-            engine.apply_profile(prof.budget, prof.t_spec_s(prof.budget), cost)
+            # An explicit --budget-ceiling wins over the profile's, as --budget does over B.
+            ceiling = a.budget_ceiling if a.budget_ceiling is not None else prof.budget_ceiling
+            engine.apply_profile(prof.budget, prof.t_spec_s(prof.budget), cost, ceiling)
             log.info(
-                "budget B = %d (policy adaserve's ceiling %d), t_spec = %.1f ms (%s)",
+                "budget B = %d (ceiling %d), t_spec = %.1f ms (%s)",
                 prof.budget,
                 engine.sched_cfg.selection_budget,
                 1000 * prof.t_spec_s(prof.budget),

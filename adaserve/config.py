@@ -213,9 +213,11 @@ class SchedulerConfig:
     budget: int = 16
     # Policy adaserve only: the most tokens it verifies in one forward (roots included) when
     # speculation control finds them worth their time; B still prices an iteration for the
-    # SLO step's A(r) and sizes what is prepared ahead (CUDA graphs). None: B. Opt-in
-    # (`--budget-ceiling N`): it met more SLOs in paper-scale simulation and at loose SLOs on
-    # this CPU, fewer at tight ones (docs/speculation.md, "The budget ceiling").
+    # SLO step's A(r) and sizes what is prepared ahead (CUDA graphs). None: B. The server
+    # derives it from its start-up profile like B, at `CEILING_FACTOR` (profile.py): a
+    # forward of B tokens costs 1.5x a 1-token one, which leaves a batch of many requests
+    # room for little more than their roots. Tokens past B go into a forward only while it
+    # fits every running stream's pace (docs/speculation.md, "The budget ceiling").
     budget_ceiling: int | None = None
     max_depth: int = 6  # D_max
     max_width: int = 4  # W_max

@@ -186,7 +186,8 @@ FIELD_HELP: dict[str, str] = {
     "budget": "B: tokens verified per target forward (serve: from --profile or a start-up "
     f"profile; elsewhere {SchedulerConfig.budget})",
     "budget_ceiling": "policy adaserve: most tokens verified per forward, when speculation "
-    "control finds them worth their time (default: B)",
+    "control finds them worth their time and past B only within every running stream's pace "
+    "(serve: from the profile, a forward of 6x a 1-token one; 1 or unset elsewhere: B)",
     "max_depth": "D_max: depth of a draft model's trees (draft steps)",
     "max_width": "W_max: children per tree node",
     "n_max": "most nodes of one request's tree (root included)",

@@ -31,7 +31,7 @@ from adaserve.bench.workload import (
 )
 from adaserve.cluster.router import ROUTERS
 from adaserve.config import POLICIES, SchedulerConfig
-from adaserve.request_manager.control.profile import DEFAULT_BUDGET_FACTOR
+from adaserve.request_manager.control.profile import CEILING_FACTOR, DEFAULT_BUDGET_FACTOR
 from adaserve.sim.acceptance import load_acceptance
 from adaserve.sim.cost import (
     DEFAULT_EFFICIENCY,
@@ -89,9 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ceiling-factor",
         type=float,
-        default=None,
-        help="policy adaserve's budget ceiling by B's rule at this factor (`adaserve serve "
-        "--budget-ceiling N`; default: none, the ceiling is B, as on the server)",
+        default=CEILING_FACTOR,
+        help="policy adaserve's budget ceiling by the same rule (what `adaserve serve` "
+        "derives from its profile; with --budget, the ceiling is B, as on the server)",
     )
     p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
     p.add_argument(
@@ -185,9 +185,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
     cost = load_cost(a.cost_model, a.draft_cost_model, a.efficiency)
     budget = a.budget if a.budget is not None else derive_sim_budget(cost.target, a.budget_factor)
-    ceiling = None
-    if a.ceiling_factor is not None:  # policy adaserve's, by B's rule (selection_budget)
-        ceiling = derive_sim_budget(cost.target, a.ceiling_factor)
+    # An explicit B is B for every policy; otherwise adaserve's ceiling by the server's rule.
+    ceiling = None if a.budget is not None else derive_sim_budget(cost.target, a.ceiling_factor)
     sched = SchedulerConfig(
         policy=policy,
         budget=budget,

@@ -25,12 +25,13 @@ def test_serve_uses_the_budget_of_the_given_profile(tiny_llama, tmp_path):
     args = (str(tiny_llama), "--draft-model", str(tiny_llama), "--num-blocks", "64")
     with serve_subprocess(*args, "--policy", "adaserve", "--profile", str(path)) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
-        # No --budget-ceiling: the ceiling is B.
+        # The ceiling by the rule at 6x: every measured count (up to 8 tokens, 18 ms) is
+        # within 6 x 11 ms, so the largest.
         expected = {
             "status": "ok",
             "policy": "adaserve",
             "budget": 6,
-            "budget_ceiling": 6,
+            "budget_ceiling": 8,
             "drafter": "model",
         }
         assert health == expected, health
@@ -39,13 +40,13 @@ def test_serve_uses_the_budget_of_the_given_profile(tiny_llama, tmp_path):
     ) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert health["budget"] == 9, "an explicit --budget must win over the profile"
-        assert health["budget_ceiling"] == 9, "no --budget-ceiling: the ceiling is B"
+        assert health["budget_ceiling"] == 9, "no profile applied: the ceiling is B"
     with serve_subprocess(
         *args, "--policy", "adaserve", "--profile", str(path), "--budget-ceiling", "7"
     ) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
         assert (health["budget"], health["budget_ceiling"]) == (6, 7), (
-            "--budget-ceiling sets policy adaserve's ceiling beside the profile's B"
+            "an explicit --budget-ceiling must win over the profile's"
         )
 
 

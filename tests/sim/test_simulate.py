@@ -175,7 +175,7 @@ def test_only_adaserve_verifies_past_b_and_never_past_its_ceiling() -> None:
     assert most["adaserve_paper"] <= budget and most["global_greedy"] <= budget, most
 
 
-def test_simulate_gives_adaserve_a_ceiling_only_when_asked() -> None:
+def test_simulate_gives_adaserve_the_servers_ceiling_unless_b_is_set() -> None:
     from adaserve.sim.run import add_arguments, setup_from_args
 
     def sched(*extra: str) -> SchedulerConfig:
@@ -189,12 +189,10 @@ def test_simulate_gives_adaserve_a_ceiling_only_when_asked() -> None:
     cost = load_cost("table:qwen2.5-32b-artifact", None)
     default = sched()
     assert default.budget == derive_sim_budget(cost.target, 1.5)
-    assert default.budget_ceiling is None and default.selection_budget == default.budget
-    wide = sched("--ceiling-factor", "6")
-    assert wide.selection_budget == derive_sim_budget(cost.target, 6.0) > wide.budget
-    assert sched("--budget", "40", "--ceiling-factor", "3").selection_budget == max(
-        40, derive_sim_budget(cost.target, 3.0)
-    )
+    assert default.budget_ceiling == derive_sim_budget(cost.target, 6.0) > default.budget
+    assert sched("--ceiling-factor", "3").budget_ceiling == derive_sim_budget(cost.target, 3.0)
+    explicit = sched("--budget", "40")
+    assert explicit.budget_ceiling is None and explicit.selection_budget == 40
 
 
 def test_a_seed_makes_a_run_repeatable() -> None:

@@ -5,7 +5,8 @@ Measured on the machine that serves, never taken from a spec sheet:
   sequences, each attending to `context` cached tokens (a verification batch's shape);
 - draft: step latency over the same shapes at the budget context;
 - B: the largest token count whose forward stays within `budget_factor` x a 1-token forward
-  (at `BUDGET_CONTEXT`), interpolated between the measured powers of two;
+  (at `BUDGET_CONTEXT`), interpolated between the measured powers of two; the controlled
+  policy's ceiling by the same rule at `CEILING_FACTOR`;
 - baseline latency: minimal per-iteration latency of incremental decoding, batch 8, input 32,
   output 128 (AdaServe's definition), the unit of relative SLOs (`slo_ratio` in traces).
 
@@ -46,6 +47,12 @@ from adaserve.request_manager.control.cost_model import ForwardCostModel
 log = logging.getLogger("adaserve.profile")
 
 DEFAULT_BUDGET_FACTOR = 1.5
+# The controlled policy's ceiling (`SchedulerConfig.budget_ceiling`): the token count whose
+# forward stays within this many 1-token forwards, by B's rule. Speculation control decides how
+# much of it a forward takes, and past B only within every running stream's pace; a wide
+# ceiling met more SLOs in simulation at every paper-scale cost model (docs/results.md, "The
+# budget ceiling").
+CEILING_FACTOR = 6.0
 BUDGET_CONTEXT = 256
 
 
@@ -124,6 +131,12 @@ class Profile:
     def target_ms(self, tokens: float, context: int | None = None) -> float:
         """Target forward latency at `tokens`, interpolated over the profile at one context."""
         return _interp(self.target, tokens, self.budget_context if context is None else context)
+
+    @property
+    def budget_ceiling(self) -> int:
+        """The controlled policy's ceiling: B's rule at CEILING_FACTOR (never below B)."""
+        at = {p.tokens: p.ms for p in self.target if p.context == self.budget_context}
+        return max(self.budget, derive_budget(at, CEILING_FACTOR))
 
     def draft_ms(self, tokens: float) -> float:
         return _interp(self.draft, tokens, self.budget_context) if self.draft else 0.0

@@ -76,6 +76,17 @@ def test_t_spec_interpolates_target_and_draft() -> None:
     assert p.t_spec_s(6, draft_steps=0) == pytest.approx(0.016)
 
 
+def test_the_ceiling_is_the_budget_rule_at_the_ceiling_factor_and_never_below_b() -> None:
+    # Limit 6 x 11 = 66 ms at the budget context (256): 32 tokens (42 ms) fit, 64 (74 ms) do
+    # not -> 32 + (66 - 42) * 32 / (74 - 42) = 56. The 1024-token context does not count.
+    target = tuple(LatencyPoint(t, 256, 10.0 + t) for t in (1, 2, 4, 8, 16, 32, 64))
+    target += tuple(LatencyPoint(t, 1024, 50.0 + t) for t in (1, 2, 4, 8, 16, 32, 64))
+    p = Profile("cpu", "m", None, target, (), 5, 1.5, 256, 12.5)
+    assert p.budget_ceiling == 56
+    # A B set above what the rule gives (a profile saved with another factor) stays the floor.
+    assert replace(p, budget=64).budget_ceiling == 64
+
+
 def test_save_load_round_trip(tmp_path: Path) -> None:
     p = synthetic_profile()
     path = p.save(tmp_path / "p.json")
