@@ -19,10 +19,11 @@ forward time by tokens and context, measured from the iterations the server runs
    kept is the one that maximises E_k / T(n + k) (draft time is spent by then). k = 0 is plain
    decoding, so an iteration never predicts fewer tokens per second than incremental.
    With a budget ceiling above B (`budget_ceiling`), a tree size that takes the forward past
-   B is kept only if the forward fits every running stream's pace at the tokens it expects
-   from it (`prefill.pace_allowance`: its pace x e_r, less what it must repay when behind):
-   tokens past B raise the forward's tokens per second, but a stream with few of them pays
-   the whole longer forward for its one token, and at a tight SLO it lost its pace.
+   B is kept only if the forward stays within the pace, at the tokens it expects from it
+   (`prefill.pace_allowance`: 0.95 x its SLO x e_r), of every stream that B's forward keeps
+   within it (`_PaceFit`): tokens past B raise the forward's tokens per second, but a stream
+   with few of them pays the whole longer forward for its one token, and at a tight SLO it
+   lost its pace. A stream B's forward already takes past its pace does not bind.
    T(n + k) is never taken below T(n) + k x the cost model's per-token slope around those
    sizes (`verify_s`): two adjacent buckets' fits can differ by noise alone, and a node
    priced at that difference is verified whatever its acceptance. Nor is a tree forward
@@ -432,7 +433,7 @@ class SpeculationController:
         plain_s = self.forward_s(n, context)
         best_k, best_rate = 0, n / plain_s
         expected = best_expected = float(n)
-        # Nodes B holds beside the roots; past them, only what every stream's pace allows.
+        # Nodes B holds beside the roots; past them, only what the protected streams' paces allow.
         fits = _PaceFit(n, self.cfg.budget - n, allowance, plain_s)
         for k, (*_, r, v) in enumerate(adds, start=1):
             p = trees[r].path_prob(v)
