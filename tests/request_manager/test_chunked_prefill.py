@@ -11,6 +11,7 @@ from adaserve.request_manager.prefill import (
     chunk_tokens,
     largest_chunk,
     prefill_order,
+    tile_or_wait,
     tiled_chunk,
     ttft_chunk,
 )
@@ -238,19 +239,43 @@ def test_an_idle_chunk_deep_in_a_prompt_takes_a_whole_attention_tile():
     args = dict(CHUNK_ARGS, tree_tokens=0, now=0.0, iteration_cap_s=0.5)
     assert chunk_tokens(below_tile_cost, [], [], [doc], **args) == 51, "no tile: the fit"
     assert chunk_tokens(below_tile_cost, [], [], [doc], **args, tile_tokens=64) == 64
-    # A stream's SLO is not spent on it: with one decoding, the chunk stays what fits.
+    # A stream's SLO is not spent on a tile: with one decoding (0.38 s allowed), 38 tokens
+    # fit and a tile (0.62 s) does not, so only what is forced runs (the minimum chunk: no
+    # TTFT objective here); the rest of the slack, which would buy 38 tokens at the
+    # row-at-a-time price, stays with the stream.
     stream = _streamed(400.0, 10, 3.8, now=0.0)
     n = chunk_tokens(below_tile_cost, [stream], [1.0], [doc], **dict(args, tree_tokens=1))
     tiled = chunk_tokens(
         below_tile_cost, [stream], [1.0], [doc], **dict(args, tree_tokens=1), tile_tokens=64
     )
-    assert 0 < n < 63 and tiled == n
+    assert n == 38 and tiled == 16
+    # A prompt with less than a tile left takes what fits, as without a tile.
+    short = Request("short", list(range(2, 652)), SamplingParams())
+    short.num_cached = 600
+    near_end = dict(args, tree_tokens=1)
+    assert chunk_tokens(below_tile_cost, [stream], [1.0], [short], **near_end, tile_tokens=64) == 38
     # The rule alone: tree tokens count toward the tile, the cap and a zero chunk hold.
     assert tiled_chunk(20, 4, 256, 64) == 60
     assert tiled_chunk(70, 0, 256, 64) == 70
     assert tiled_chunk(20, 0, 32, 64) == 32
     assert tiled_chunk(0, 0, 256, 64) == 0
     assert tiled_chunk(20, 0, 256, None) == 20
+
+
+def tile_priced_cost(tokens: int, context: int, silent: int, silent_pairs: int) -> float:
+    """llama.cpp's CPU attention as measured: a prompt chunk of a tile (64 tokens) or more
+    computes its keys five times cheaper than one walked row by row."""
+    per_pair = 2e-6 if silent >= 64 else 1e-5
+    return 0.02 + 0.003 * tokens + per_pair * silent_pairs
+
+
+def test_beside_streams_a_chunk_short_of_the_tile_waits_for_a_whole_one():
+    # 600 tokens into a prompt, one decode row: 38 tokens cost 0.372 s, a 64-token tile
+    # 0.297 s (its keys at the tiled price).
+    assert tile_or_wait(tile_priced_cost, 1, 0, 600, 38, 0, 64, 0.38) == 64, "the tile fits"
+    assert tile_or_wait(tile_priced_cost, 1, 0, 600, 20, 0, 64, 0.25) == 0, "wait: banks grow"
+    assert tile_or_wait(tile_priced_cost, 1, 0, 600, 20, 5, 64, 0.25) == 5, "what is forced"
+    assert tile_or_wait(tile_priced_cost, 1, 0, 600, 20, 0, 64, None) == 64, "no SLO limit"
 
 
 def test_the_scheduler_takes_the_runner_s_attention_tile(target):
