@@ -53,9 +53,11 @@ class Rejected:
 @dataclass(frozen=True)
 class Refused:
     """Admission said no under the current load (a 429 with Retry-After, not the client's
-    fault); `message` says why."""
+    fault); `message` says why, `retry_after_s` when the load is predicted to let it in
+    (`Refusal.retry_after_s`; None: not known)."""
 
     message: str
+    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -480,7 +482,7 @@ class AsyncEngine(StreamBook):
             ", ".join(f"{k} {v:.4g}" for k, v in admission.last_prediction.items()),
             "" if spare is None else f" [not best effort: {spare}]",
         )
-        return Refused(why.message)
+        return Refused(why.message, why.retry_after_s)
 
     def _release_held(self) -> None:
         """Look at the held requests again, in arrival order: admitted, refused (their hold

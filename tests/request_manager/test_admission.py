@@ -376,3 +376,53 @@ def test_admitted_streams_are_protected_over_what_they_have_left():
     # On its last token, T's mean no longer moves: nothing to protect.
     last = _running([_stream(23.0, 3, 2), *[_stream(None, 1000, 2) for _ in range(3)]])
     assert last.refusal(None, max_tokens=64) is None
+
+
+def test_a_refusal_says_when_the_load_will_let_the_request_in():
+    # Two streams with 8 tokens left, two with 40 (at most: max_tokens 10 and 42, 2 emitted).
+    # A newcomer makes 5 rows: 25 ms an iteration. 23.5 ms fits once the two short streams
+    # have ended (3 rows: 23 ms), after their 8 iterations of 4 rows (24 ms): 0.192 s.
+    # 21.5 ms fits only alone (21 ms), after those and 32 iterations of 2 rows (22 ms).
+    streams = [_stream(None, 10, 2), _stream(None, 10, 2), _stream(None, 42, 2)]
+    adm = _running([*streams, _stream(None, 42, 2)])
+    soon = adm.judge(23.5)
+    assert soon is not None and "cannot be met" in soon.message
+    assert soon.retry_after_s == pytest.approx(8 * 0.024)
+    later = adm.judge(21.5)
+    assert later is not None and later.retry_after_s == pytest.approx(8 * 0.024 + 32 * 0.022)
+    assert adm.judge(20.0).retry_after_s is None, "not even alone (21 ms): no time helps"
+    # Recent iterations ran 10% over their prediction: the batch of now is 27.5 ms, 25.5 ms
+    # fits at 3 rows (25.3 ms), and the wait for it runs at that pace too.
+    adm.decode_slowdown = 1.1
+    assert adm.judge(25.5).retry_after_s == pytest.approx(1.1 * 8 * 0.024)
+    # Refused for an admitted stream's SLO (23.5 ms, 8 tokens left), the same: the batch of
+    # now must shrink to fit it, which it does when the short streams end.
+    adm.decode_slowdown = None
+    guarded = _running([_stream(23.5, 10, 2), *streams])
+    why = guarded.judge(None, max_tokens=64)
+    assert why is not None and "past their slo_tpot_ms 23.5" in why.message
+    assert why.retry_after_s == pytest.approx(8 * 0.024)
+
+
+def test_a_first_token_refusal_says_how_long_the_backlog_takes_to_drain():
+    # A 4,000-token prompt due in 5 s is being prefilled (at 1,000 tokens a second alone, the
+    # cost model's 1 ms a token); a newcomer's 100 tokens, due in 1 s (slo_ttft_ms), would
+    # get its first token after 4.1 s, so it is refused. Sent again 3.1 s later the backlog
+    # ahead is 3.1 s smaller: its first token then comes within its objective.
+    adm = _admission([_prompt(4000, due_in_s=0.5)])
+    why = adm.judge(None, 100, slo_ttft_ms=1000)
+    assert why is not None and why.first_token, why
+    ttft = adm.predicted_ttft_s(100, 1.0)
+    assert ttft is not None and ttft > 1.0
+    assert why.retry_after_s == pytest.approx(ttft - 1.0)
+
+
+def test_retry_headers_predict_within_the_floor_and_what_clients_honour():
+    from adaserve.api.serving import MAX_RETRY_AFTER_S, retry_headers
+
+    assert retry_headers(None, 1) == {"Retry-After": "1", "retry-after-ms": "1000"}
+    assert retry_headers(0.2, 1) == {"Retry-After": "1", "retry-after-ms": "1000"}, "floor"
+    assert retry_headers(7.25, 1) == {"Retry-After": "8", "retry-after-ms": "7250"}
+    assert retry_headers(7.25, 10)["Retry-After"] == "10"
+    capped = retry_headers(3600.0, 1)
+    assert float(capped["Retry-After"]) == MAX_RETRY_AFTER_S == 60.0
