@@ -449,8 +449,7 @@ class ServerConfig:
     slo_classes: tuple[tuple[str, float], ...] = field(
         default_factory=lambda: parse_slo_classes("urgent=50,normal=150,relaxed=inf")
     )
-    # Seconds a 429 asks the client to wait; at least this when --admission slo predicts when
-    # the load lets the request in (serving.retry_headers, at most 60).
+    # Seconds a 429 asks the client to wait.
     retry_after_s: int = 1
     # `adaserve serve` speculates by default: the default model gets its draft automatically.
     policy: str = "adaserve"

@@ -255,8 +255,7 @@ FIELD_HELP: dict[str, str] = {
     "served_model_name": "model name clients send (default: MODEL as given)",
     "default_slo_tpot_ms": "SLO of requests without slo_tpot_ms (default: none, best effort)",
     "slo_classes": "metric classes of slo_tpot_ms, name=upper_bound_ms,...",
-    "retry_after_s": "seconds a 429 asks the client to wait; with --admission slo, at "
-    "least this: a refusal predicts when the load lets the request in (at most 60 s)",
+    "retry_after_s": "seconds a 429 asks the client to wait",
     "shutdown_timeout_s": "after SIGTERM/SIGINT: new requests get 503 and /health says "
     "draining; running requests may finish for this many seconds, then the rest end with "
     "finish reason 'abort' and the server exits 0",

@@ -53,11 +53,9 @@ class Rejected:
 @dataclass(frozen=True)
 class Refused:
     """Admission said no under the current load (a 429 with Retry-After, not the client's
-    fault); `message` says why, `retry_after_s` when the load is predicted to let it in
-    (`Refusal.retry_after_s`; None: not known)."""
+    fault); `message` says why."""
 
     message: str
-    retry_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -482,7 +480,7 @@ class AsyncEngine(StreamBook):
             ", ".join(f"{k} {v:.4g}" for k, v in admission.last_prediction.items()),
             "" if spare is None else f" [not best effort: {spare}]",
         )
-        return Refused(why.message, why.retry_after_s)
+        return Refused(why.message)
 
     def _release_held(self) -> None:
         """Look at the held requests again, in arrival order: admitted, refused (their hold

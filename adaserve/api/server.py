@@ -147,7 +147,7 @@ def make_app(
             allow_methods=list(cfg.allowed_methods),
             allow_headers=list(cfg.allowed_headers),
             # What a browser script may read of a response besides the simple headers.
-            expose_headers=["X-Request-Id", "Retry-After", "retry-after-ms", "X-SLO-Admission"],
+            expose_headers=["X-Request-Id", "Retry-After", "X-SLO-Admission"],
         )
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

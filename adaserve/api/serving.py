@@ -79,21 +79,6 @@ def slo_from_headers(headers: Mapping[str, str]) -> dict[str, float]:
 
 # A client's own request id (X-Request-Id): echoed back, and part of the server's id, so one
 # id follows the request through proxies, responses and the server log.
-# The longest Retry-After a 429 predicts: the official openai client ignores longer ones (and
-# backs off on its own), and a prediction that far ahead is mostly the load to come.
-MAX_RETRY_AFTER_S = 60.0
-
-
-def retry_headers(predicted_s: float | None, floor_s: int) -> dict[str, str]:
-    """A refusal's Retry-After (whole seconds) and retry-after-ms (which the openai client
-    reads first): when admission predicts the load lets the request in
-    (`Refusal.retry_after_s`), at least `floor_s` (--retry-after-s) and at most
-    MAX_RETRY_AFTER_S; `floor_s` when it has no prediction."""
-    wait = float(floor_s) if predicted_s is None else predicted_s
-    wait = min(max(wait, float(floor_s)), MAX_RETRY_AFTER_S)
-    return {"Retry-After": str(math.ceil(wait)), "retry-after-ms": str(round(1000 * wait))}
-
-
 REQUEST_ID_HEADER = "x-request-id"
 # Set to "best-effort" on a response whose slo_tpot_ms admission could not promise at the load
 # it arrived at and served anyway (`Admission.best_effort`); absent otherwise.
@@ -305,7 +290,7 @@ class OpenAIServing:
                 429,
                 first.message,
                 code="slo_unattainable",
-                headers=retry_headers(first.retry_after_s, self.cfg.retry_after_s),
+                headers={"Retry-After": str(self.cfg.retry_after_s)},
             )
         if isinstance(first, Rejected):
             if first.message.startswith("logit_bias"):  # ids outside the vocabulary

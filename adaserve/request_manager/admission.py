@@ -109,8 +109,6 @@ class Refusal:
     message: str
     first_token: bool = False
     work: bool = False
-    # Seconds until the load is predicted to let it in (`retry_after_s`), None: not known.
-    retry_after_s: float | None = None
 
 
 class Admission:
@@ -296,26 +294,6 @@ class Admission:
 
         return factor
 
-    def lighter_in_s(self, ratio: float) -> float | None:
-        """Seconds until the batch's iteration with one more row is `ratio` of now's (< 1),
-        as the requests here end (`batch_over_time`: each at most its `max_tokens`, so an
-        upper bound while requests can stop sooner) at the pace recent iterations ran
-        (`decode_slowdown`); None when it never is (the row alone is slower). A refused
-        request's Retry-After (`Refusal.retry_after_s`)."""
-        if self.cost is None:
-            return None
-        reqs = [r for q in self.queues() for r in q if not r.best_effort]
-        cap = self.cfg.max_num_seqs
-        ends = [(iterations_left(r, self.tokens_per_request), r.num_tokens) for r in reqs]
-        limit = ratio * self.iteration_s(min(len(reqs) + 1, cap), sum(r.num_tokens for r in reqs))
-        pace = max(1.0, self.decode_slowdown or 1.0)
-        elapsed = 0.0
-        for start, stop, rows, context in batch_over_time(ends, 0, 0.0, cap):
-            if self.iteration_s(min(rows + 1, cap), context) <= limit:
-                return elapsed
-            elapsed += (stop - start) * self.iteration_s(rows, context) * pace
-        return elapsed if self.iteration_s(1, 0) <= limit else None
-
     def ttft_objective_ms(self, prompt_tokens: int, slo_ttft_ms: float | None) -> float | None:
         """A request's TTFT objective: its slo_ttft_ms, else the default from the time its
         prompt takes to prefill alone here (`slo.ttft_objective_ms`); None without a cost
@@ -406,7 +384,6 @@ class Admission:
             f"the load allows now; retry later or send a shorter prompt",
             first_token=True,
             work=True,
-            retry_after_s=window - (now - self._slo_refused_at),
         )
 
     def _note_arrival(self, work: float, key: Hashable) -> float:
@@ -558,8 +535,7 @@ class Admission:
             else:
                 over = []
         if why is not None:
-            message, ratio = why
-            return Refusal(message, retry_after_s=self.lighter_in_s(ratio))
+            return Refusal(why)
         if objective_ms is None or left_s is None or prompt_tokens is None:
             return None
         ttft = self.predicted_ttft_s(prompt_tokens - cached_tokens, left_s)
@@ -570,8 +546,6 @@ class Admission:
                 f"current load, past this request's time-to-first-token objective of "
                 f"{objective_ms / 1000.0:.1f} s ({named}); retry later",
                 first_token=True,
-                # Sent again, it is a new request: the backlog ahead must drain that much.
-                retry_after_s=ttft - self.cfg.slo_headroom * objective_ms / 1000.0,
             )
         for r in over:
             r.prefill_yields = True
@@ -583,9 +557,7 @@ class Admission:
         max_tokens: int | None,
         first_token_due: float | None,
         prompts_yield: bool = False,
-    ) -> tuple[str, float] | None:
-        """Why its TPOT, or an admitted request's, refuses it, and by how much the batch's
-        iteration must shrink for it to fit (the SLO over the prediction, < 1)."""
+    ) -> str | None:
         tpot = self.predicted_tpot_s(
             max_tokens=max_tokens,
             first_token_due=first_token_due,
@@ -607,8 +579,7 @@ class Admission:
         if slo_tpot_ms is not None and ms > headroom * slo_tpot_ms:
             return (
                 f"slo_tpot_ms {slo_tpot_ms:g} cannot be met at the current load (about "
-                f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms",
-                headroom * slo_tpot_ms / ms,
+                f"{ms:.0f} ms per token predicted); retry later or relax slo_tpot_ms"
             )
         running, prefilling, waiting = self.queues()
         curve = None
@@ -629,8 +600,7 @@ class Admission:
                 return (
                     f"admitting this request would slow the requests being served past their "
                     f"slo_tpot_ms {held:g} (about {theirs:.0f} ms per token predicted); "
-                    f"retry later",
-                    headroom * held / theirs,
+                    f"retry later"
                 )
         return None
 

@@ -449,11 +449,6 @@ def test_slo_admission_holds_a_request_until_a_stream_makes_room(tiny_llama) -> 
     )
     assert refused.status_code == 429, refused.text
     assert "past their slo_tpot_ms 100" in refused.text, refused.text
-    # Its Retry-After is when the stream ends, not a fixed second: up to ~400 iterations of
-    # 80 ms on the engine's clock (30-32 s; the openai client honours up to 60).
-    wait_ms = int(refused.headers["retry-after-ms"])
-    assert 20_000 <= wait_ms <= 33_000, refused.headers
-    assert int(refused.headers["retry-after"]) == -(-wait_ms // 1000)
 
 
 def test_a_request_the_load_cannot_promise_is_served_best_effort_and_told_so(tiny_llama) -> None:
