@@ -33,7 +33,9 @@ def forward_ms(runner, rows: int, chunk: int, context: int, repeats: int) -> flo
             cache.reserve(t, context + max(chunk, 1))
             if context:
                 warm = SequenceBatchBuilder()
-                warm.add(list(range(1, context + 1)), list(range(context)), context, t, "none")
+                warm.add(
+                    list(range(1, context + 1)), list(range(context)), context, t, logits="none"
+                )
                 runner.forward(warm.batch)
         b = SequenceBatchBuilder()
         for t in tables[:rows]:
