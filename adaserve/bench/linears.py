@@ -1,11 +1,12 @@
-"""Time a model's linears at a few rows: `F.linear` against the model's own `linear`.
+"""Time a model's linears at a few rows: `F.linear` (MKL's `x W^T`) against `W x^T`.
 
     python -m adaserve.bench.linears [--model DIR|hub id] [--rows 1 2 4 8 16 64] [--repeats 9]
 
 Every linear of the model (q/k/v, o, gate/up, down per layer, and the LM head) with weights
 of its shape, each its own tensor so they stream from memory as in a forward; prints the
 median over repeats of all of them at each row count. Decode rows, token trees and prompt
-chunks are these row counts; what a forward of the model pays for them is mostly this.
+chunks are these row counts; what a forward of the model pays for them is mostly this. The
+model's `linear` runs whichever of the two `choose_cpu_linears` timed faster at load.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from adaserve.exec.model.llama import LlamaArgs, linear
+from adaserve.exec.model.llama import LlamaArgs, w_xt
 
 
 def shapes(args: LlamaArgs) -> list[tuple[int, int]]:
@@ -59,15 +60,15 @@ def main(argv: list[str] | None = None) -> None:
         f"{len(weights)} matmuls, {sum(w.numel() for w in weights) * 4 / 2**20:.0f} MiB of "
         f"float32 weights, {torch.get_num_threads()} threads; median ms of all of them"
     )
-    print("| rows | F.linear | linear | ratio |\n|---:|---:|---:|---:|")
+    print("| rows | F.linear | W x^T | ratio |\n|---:|---:|---:|---:|")
     for rows in a.rows:
 
         def forward(fn, rows=rows) -> None:
             for w in weights:
-                fn(inputs[w.shape[1]][:rows], w)
+                fn(inputs[w.shape[1]][:rows], w, None)
 
         plain = median_ms(lambda: forward(F.linear), a.repeats)
-        ours = median_ms(lambda: forward(linear), a.repeats)
+        ours = median_ms(lambda: forward(w_xt), a.repeats)
         print(f"| {rows} | {plain:.1f} | {ours:.1f} | {ours / plain:.2f} |")
 
 

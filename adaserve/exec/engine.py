@@ -34,6 +34,7 @@ from adaserve.exec.loader import (
     locate_tokenizer,
 )
 from adaserve.exec.model.eagle import is_eagle_head, load_eagle_head
+from adaserve.exec.model.llama import choose_cpu_linears
 from adaserve.exec.prefix_cache import PrefixCache
 from adaserve.exec.runner import ForwardOutput, PlanToRun, Runner, run_plan
 from adaserve.exec.torch_runner import EagleRunner, ModelRunner, make_attention_backend
@@ -43,6 +44,8 @@ def _build_runner(
     path: Path, model_cfg: ModelConfig, num_blocks: int | None, cache_cfg: CacheConfig
 ) -> ModelRunner:
     model = load_model(path, model_cfg.dtype, model_cfg.device, model_cfg.trust_remote_code)
+    if model_cfg.device == "cpu":
+        choose_cpu_linears(model.linear_weights())
     a = model.args
     dtype = next(model.parameters()).dtype
     device = torch.device(model_cfg.device)

@@ -133,3 +133,57 @@ def test_linear_is_f_linear_with_the_weights_streamed_once(rows, bias):
     mod = Linear(40, 96, bias=bias)
     assert set(mod.state_dict()) == set(torch.nn.Linear(40, 96, bias=bias).state_dict())
     torch.testing.assert_close(mod(x), torch.nn.functional.linear(x, mod.weight, mod.bias))
+
+
+def test_pick_linears_takes_f_linear_only_where_it_is_clearly_faster():
+    # {rows: (F.linear s, W x^T s)}: F.linear 2x faster at 1-4 rows, a near tie at 8 (the
+    # default W x^T stands), W x^T faster from 16. A row count between two timed points is
+    # decided by the next point up (3 rows by 4, 5-8 by 8).
+    from adaserve.exec.model.llama import SKINNY_MAX_ROWS, pick_linears
+
+    times = {1: (1.0, 2.0), 2: (1.0, 2.0), 4: (1.0, 2.0), 8: (0.95, 1.0)}
+    times |= {16: (3.0, 2.0), 32: (3.0, 2.0), 64: (3.0, 2.0)}
+    table = pick_linears(times)
+    assert len(table) == SKINNY_MAX_ROWS + 1 and not table[0]
+    assert all(table[1:5]) and not any(table[5:])
+
+
+@pytest.fixture
+def restore_linears():
+    from adaserve.exec.model import llama
+
+    saved, chosen, size = list(llama._F_LINEAR_ROWS), dict(llama._CHOSEN), llama._APPLIED_BYTES[0]
+    llama._APPLIED_BYTES[0] = 0
+    yield llama
+    llama._F_LINEAR_ROWS[:] = saved
+    llama._APPLIED_BYTES[0] = size
+    llama._CHOSEN.clear()
+    llama._CHOSEN.update(chosen)
+
+
+def test_choose_cpu_linears_times_large_float32_weights_once_and_linear_follows(
+    restore_linears, monkeypatch
+):
+    llama = restore_linears
+    before = list(llama._F_LINEAR_ROWS)
+    # Weights that stay in the CPU's caches are not timed: nothing changes.
+    assert llama.choose_cpu_linears([torch.randn(96, 40)] * 4) is None
+    assert llama._F_LINEAR_ROWS == before
+    assert llama.choose_cpu_linears([torch.randn(1024, 1024).half()] * 40) is None
+
+    torch.manual_seed(0)
+    weights = [torch.randn(1024, 512) for _ in range(33)]  # 66 MiB of float32
+    table = llama.choose_cpu_linears(weights, repeats=1)
+    assert table is not None and llama._F_LINEAR_ROWS == table and not table[0]
+    for lo, hi in zip((0,) + llama.SKINNY_POINTS, llama.SKINNY_POINTS):
+        assert len(set(table[lo + 1 : hi + 1])) == 1  # one choice per timed point's span
+    w = weights[0]
+    for rows in (1, 3, 8, 20, 64):
+        x = torch.randn(rows, 512)
+        want = torch.nn.functional.linear(x, w) if table[rows] else llama.w_xt(x, w, None)
+        assert torch.equal(llama.linear(x, w), want), f"{rows} rows ran the other kernel"
+
+    # The same shapes again (a second engine on the model): the choice is reused, not re-timed.
+    monkeypatch.setattr(llama, "_measure", lambda *a: pytest.fail("timed again"))
+    llama._F_LINEAR_ROWS[:] = [False] * len(table)
+    assert llama.choose_cpu_linears(weights) == table

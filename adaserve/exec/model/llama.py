@@ -8,7 +8,10 @@ and gate/up are stacked into one matmul each at load time.
 
 from __future__ import annotations
 
+import logging
 import math
+import statistics
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +22,7 @@ from torch import nn
 
 from adaserve.exec.attention.base import AttentionBackend
 
+logger = logging.getLogger("adaserve.model")
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
@@ -120,31 +124,129 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
     return scaled.float()
 
 
-# Most rows for which `linear` computes W x^T: past ~64 rows MKL's `x W^T` kernel is as fast
+# Most rows for which `linear` may compute W x^T: past ~64 rows MKL's `x W^T` kernel is as fast
 # or faster (python -m adaserve.bench.linears: 0.8-1.0x at 64-128 rows, 1.2-1.7x at 256-512).
 SKINNY_MAX_ROWS = 64
+# The row counts `choose_cpu_linears` times; a row count between two is decided by the next one
+# up (3 rows by 4, 9-16 by 16).
+SKINNY_POINTS = (1, 2, 4, 8, 16, 32, 64)
+# Weights smaller than this stay in the CPU's caches, where the two kernels' difference is
+# noise: models that small keep the default (W x^T) without timing anything.
+SKINNY_MIN_BYTES = 64 << 20
+# F.linear is chosen for a row count only when it is this much faster than W x^T: the default
+# stands on a near tie (inside a forward the AVX2 EPYC ran one row 16% faster doubled than
+# F.linear, which the linears timed alone did not show).
+SKINNY_MARGIN = 0.9
+
+# Per row count (index), whether `linear` runs F.linear: all False until `choose_cpu_linears`
+# times the model's own weights. One table per process, set by the largest model timed.
+_F_LINEAR_ROWS: list[bool] = [False] * (SKINNY_MAX_ROWS + 1)
+_CHOSEN: dict[tuple, list[bool]] = {}
+_APPLIED_BYTES = [0]  # the weights' size behind the table `linear` follows
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 1 <= T <= 64, as W x^T.
+    """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 1 <= T <= 64, as W x^T
+    unless `choose_cpu_linears` found F.linear faster for T rows on this machine.
 
-    Both are one BLAS call over the same products; what differs is the kernel. MKL's kernel for
-    `x W^T` with a few rows costs, on an AVX2 CPU, about twice a single row (the default model's
-    linears: 106-149 ms at 2-16 rows against 51 at 1), where `W x^T` streams the weights once
-    (48-95 ms; docs/results.md "Skinny matmuls on CPU"). Tree verification and batched decoding
-    are exactly those few rows. Prompt chunks past 64 rows keep `F.linear`. One row runs as
-    two, the row twice: inside a forward the 1-row product (a matrix-vector kernel, `F.linear`
-    or `torch.mv` alike) made a decode step 81 ms where the same step with the row doubled
-    took 68 (medians of 24, 300 cached tokens), though the linears alone time the same.
+    Both are one BLAS call over the same products; what differs is the kernel, and which is
+    faster depends on the CPU and the BLAS. On an AVX2 EPYC, MKL's kernel for `x W^T` with a
+    few rows cost about twice a single row (the default model's linears: 106-149 ms at 2-16
+    rows against 51 at 1), where `W x^T` streams the weights once (48-95 ms; docs/results.md
+    "Skinny matmuls on CPU"), and one row ran faster doubled as two (a decode step 68 ms
+    against 81). On an AVX-512 Xeon it is the other way round: F.linear streams the weights at
+    memory speed at 1-3 rows (20.5 ms) and `W x^T` takes 55 ("Skinny kernels chosen by
+    measuring"). Tree verification and batched decoding are exactly those few rows. Prompt
+    chunks past 64 rows keep `F.linear`.
     """
     rows = x.shape[0] if x.dim() == 2 else 0
     if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
-    if rows == 1:
+    if _F_LINEAR_ROWS[rows]:
+        return F.linear(x, weight, bias)
+    return w_xt(x, weight, bias)
+
+
+def w_xt(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if x.shape[0] == 1:
         out = torch.mm(weight, torch.cat([x, x]).t())[:, :1].t().contiguous()  # [1, out]
     else:
         out = torch.mm(weight, x.t()).t().contiguous()  # [T, out]
     return out if bias is None else out.add_(bias)
+
+
+def choose_cpu_linears(weights: list[torch.Tensor], repeats: int = 3) -> list[bool] | None:
+    """Time F.linear against W x^T over `weights` (a model's linears, in forward order, so they
+    stream from memory as in a forward) at `SKINNY_POINTS` rows and make `linear` use the
+    faster one per row count (F.linear only when it takes under `SKINNY_MARGIN` of W x^T).
+
+    Float32 CPU weights of `SKINNY_MIN_BYTES` or more only (else None and nothing changes);
+    once per process per set of weight shapes (a second model of the same shapes reuses the
+    choice). `linear` follows the largest model's choice (a draft timed after its target does
+    not replace it). Returns the table `linear` now follows (index: rows)."""
+    if not weights or any(w.device.type != "cpu" or w.dtype != torch.float32 for w in weights):
+        return None
+    size = sum(w.numel() * w.element_size() for w in weights)
+    if size < SKINNY_MIN_BYTES:
+        return None
+    key = tuple(tuple(w.shape) for w in weights)
+    if key not in _CHOSEN:
+        _CHOSEN[key] = _measure(weights, repeats)
+    if size >= _APPLIED_BYTES[0]:  # a draft timed after its target leaves the target's choice
+        _F_LINEAR_ROWS[:] = _CHOSEN[key]
+        _APPLIED_BYTES[0] = size
+    return list(_F_LINEAR_ROWS)
+
+
+def _measure(weights: list[torch.Tensor], repeats: int) -> list[bool]:
+    def run(fn, xs: dict[int, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for w in weights:
+            fn(xs[w.shape[1]], w, None)
+        return time.perf_counter() - start
+
+    times: dict[int, tuple[float, float]] = {}
+    with torch.inference_mode():
+        for point in SKINNY_POINTS:
+            xs = {w.shape[1]: torch.randn(point, w.shape[1]) for w in weights}
+            run(F.linear, xs), run(w_xt, xs)  # warm both up
+            f_times, w_times = [], []
+            for _ in range(repeats):  # interleaved, so a drift in the machine's speed hits both
+                f_times.append(run(F.linear, xs))
+                w_times.append(run(w_xt, xs))
+            times[point] = (statistics.median(f_times), statistics.median(w_times))
+    table = pick_linears(times)
+    logger.info(
+        "few-row CPU linears: F.linear at %s rows, W x^T at %s (timed on this machine)",
+        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if table[r]]),
+        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if not table[r]]),
+    )
+    return table
+
+
+def pick_linears(times: dict[int, tuple[float, float]]) -> list[bool]:
+    """{rows: (F.linear s, W x^T s)} at `SKINNY_POINTS` -> per row count 0..SKINNY_MAX_ROWS
+    whether to run F.linear: where it took under `SKINNY_MARGIN` of W x^T at the next point
+    up (a row count between two points is decided by the larger)."""
+    table = [False] * (SKINNY_MAX_ROWS + 1)
+    lower = 0
+    for point in SKINNY_POINTS:
+        f_time, w_time = times[point]
+        for rows in range(lower + 1, point + 1):
+            table[rows] = f_time < SKINNY_MARGIN * w_time
+        lower = point
+    return table
+
+
+def _spans(rows: list[int]) -> str:
+    """[1, 2, 3, 8] -> '1-3, 8'; [] -> 'no'."""
+    out: list[str] = []
+    for r in rows:
+        if out and int(out[-1].split("-")[-1]) == r - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out) or "no"
 
 
 class Linear(nn.Linear):
@@ -259,6 +361,13 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, attn)
         return self.norm(x)
+
+    def linear_weights(self) -> list[torch.Tensor]:
+        """Every weight a forward multiplies by, in forward order: the layers' linears, then the
+        LM head (what `choose_cpu_linears` times)."""
+        weights = [m.weight for m in self.layers.modules() if isinstance(m, Linear)]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return weights + [head]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab] (or [N, K], see restrict_head)."""
