@@ -239,10 +239,10 @@ class SchedulerConfig:
     # the request's share of the budget; speculation control prunes what does not pay.
     suffix_max_depth: int = 16
     suffix_max_ngram: int = 8
-    suffix_min_match: int = 2
+    suffix_min_match: int = 1
     suffix_max_matches: int = 32
     suffix_global_weight: float = 0.5
-    suffix_alpha: float = 1.0
+    suffix_alpha: float = 2.0
     suffix_cache_tokens: int = 65536
     # Speculation control (policy adaserve): calibration bins and prior, forgetting of the
     # calibration and of the online cost model, and how long drafting stays off after it
