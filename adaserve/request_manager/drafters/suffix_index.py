@@ -239,7 +239,7 @@ def build_suffix_tree(
     global_cache: GlobalSuffixCache | None,
     depth: int,
     max_nodes: int,
-    min_match: int = 1,
+    min_match: int = 2,
     max_matches: int = 32,
     global_weight: float = 0.5,
     alpha: float = 2.0,
