@@ -284,7 +284,9 @@ def test_one_occurrence_is_trusted_more_after_a_longer_match(m) -> None:
     index = TokenIndex()
     index.extend(context)
     assert index.longest_match(context, 1)[0] == m, "the match is not m tokens"
-    tree = build_suffix_tree(context[-1], context, index, None, depth=1, max_nodes=4, alpha=2.0)
+    tree = build_suffix_tree(
+        context[-1], context, index, None, depth=1, max_nodes=4, min_match=1, alpha=2.0
+    )
     assert tree_paths(tree) == pytest.approx({(7,): 1 / (1 + 2.0 / m)}), f"m = {m}"
 
 
