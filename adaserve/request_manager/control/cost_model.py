@@ -499,7 +499,7 @@ class ForwardCostModel:
         whatever its acceptance. The slope over the sizes below averages that noise out. Not
         past `more`: a step above the forward is not what its tokens cost (torch here: 1-3
         tokens of one request 37-42 ms, 4 tokens 60; a slope up to 2 x `more` priced the
-        second token at ~6 ms, and two-node suffix trees accepted 0.6 tokens were cut)."""
+        second token at ~7 ms where it cost ~2)."""
         if tokens >= _EXACT_BUCKETS:
             # Forwards this big are priced between power-of-two knots, linearly: no adjacent
             # noisy buckets to average, and the exact ones below are no guide here (seen only
