@@ -84,6 +84,37 @@ def test_side_by_side_passes_serve_alike_and_time_only_their_own_steps(tiny_llam
     assert sum(r.seconds for r in paired) <= wall, "an engine was charged the other's steps"
 
 
+def test_a_pass_never_has_more_requests_in_flight_than_its_concurrency(tiny_llama) -> None:
+    """A prompt being prefilled counts: `--concurrency 1` once served two requests at a time
+    (the second admitted while the first was prefilled) whenever max_num_seqs allowed it."""
+    from adaserve.bench.drafters import Pass
+
+    for concurrency in (1, 2):
+        engine = LLMEngine(
+            ModelConfig(model=str(tiny_llama), drafter="suffix"),
+            CacheConfig(block_size=4, num_blocks=256),
+            # Prompts prefilled 8 tokens a step: each is in flight for steps before it decodes.
+            SchedulerConfig(
+                policy="incremental",
+                budget=8,
+                max_num_seqs=4,
+                max_num_batched_tokens=8,
+                max_prefill_chunk=8,
+            ),
+        )
+        prompts = [PROMPT * 4, PROMPT[::-1] * 4, [7] * 30, PROMPT[:5] * 6]
+        run = Pass(engine, prompts, concurrency, 6)
+        most = 0
+        while not run.done:
+            run.step()
+            sched = engine.scheduler
+            busy = len(sched.waiting) + len(sched.prefilling) + len(sched.running)
+            assert busy == run.in_flight
+            most = max(most, busy)
+        assert most == concurrency, f"{most} requests in flight at concurrency {concurrency}"
+        assert not run.pending and run.result.tokens >= len(prompts), "a prompt was not served"
+
+
 def test_staggered_lengths_keep_the_mean_and_spread_the_finishes() -> None:
     from adaserve.bench.drafters import output_limit
 
