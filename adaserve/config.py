@@ -232,8 +232,7 @@ class SchedulerConfig:
     # Waiting-queue bound; the server answers 429 beyond it. None: unbounded.
     max_waiting: int | None = None
     # Suffix drafter: longest n-gram matched, shortest match used, occurrences per tree,
-    # weight of a global-cache occurrence against a request-local one, additive smoothing
-    # (divided by the match length: a longer match is better evidence),
+    # weight of a global-cache occurrence against a request-local one, additive smoothing,
     # and the global cache of finished outputs in tokens (0: request-local only).
     # suffix_max_depth: its trees' depth bound. A lookup costs no draft step per level, so
     # its trees may grow deeper than max_depth (which bounds a draft model's steps), up to
@@ -243,7 +242,7 @@ class SchedulerConfig:
     suffix_min_match: int = 2
     suffix_max_matches: int = 32
     suffix_global_weight: float = 0.5
-    suffix_alpha: float = 2.0
+    suffix_alpha: float = 1.0
     suffix_cache_tokens: int = 65536
     # Speculation control (policy adaserve): calibration bins and prior, forgetting of the
     # calibration and of the online cost model, and how long drafting stays off after it

@@ -202,9 +202,7 @@ FIELD_HELP: dict[str, str] = {
     "suffix_min_match": "shortest match the suffix drafter uses",
     "suffix_max_matches": "occurrences the suffix drafter reads per tree",
     "suffix_global_weight": "weight of a global-cache occurrence against a request-local one",
-    "suffix_alpha": (
-        "additive smoothing of the suffix drafter's probabilities, divided by the match length"
-    ),
+    "suffix_alpha": "additive smoothing of the suffix drafter's probabilities",
     "suffix_cache_tokens": "global cache of finished outputs in tokens (0: request-local only)",
     "calibration_buckets": "bins of the acceptance calibration",
     "calibration_prior_strength": "weight of the calibration's prior",

@@ -79,7 +79,7 @@ def tree_paths(tree: CandidateTree) -> dict[tuple[int, ...], float]:
 
 
 def reference_paths(context, local_tokens, model, depth, min_match, max_matches, gw, alpha):
-    """The tree rule by brute force, no node limit: path -> W(path) / (W(parent) + alpha / m)."""
+    """The tree rule by brute force, with no node limit: path -> W(path) / (W(parent) + alpha)."""
     m_l, ends_l = brute_local(local_tokens, context, min_match, 8) if local_tokens else (0, [])
     m_g, ends_g = brute_global(model.mru(), context, min_match, 8) if model else (0, [])
     m = max(m_l, m_g)
@@ -92,7 +92,7 @@ def reference_paths(context, local_tokens, model, depth, min_match, max_matches,
         return sum(w for w, c in conts if len(c) >= len(path) and tuple(c[: len(path)]) == path)
 
     prefixes = {tuple(c[:k]) for _, c in conts for k in range(1, len(c) + 1)}
-    return {path: weight(path) / (weight(path[:-1]) + alpha / m) for path in prefixes}
+    return {path: weight(path) / (weight(path[:-1]) + alpha) for path in prefixes}
 
 
 @FAST
@@ -240,8 +240,7 @@ def test_hand_written_example() -> None:
     index = TokenIndex()
     index.extend(context)
     assert index.longest_match(context, 2) == (3, [7, 3]), "1,2,3 occurs ending at 7 and 3"
-    # A 3-token match: alpha = 3 smooths by alpha / m = 1.
-    tree = build_suffix_tree(3, context, index, None, depth=6, max_nodes=100, alpha=3.0)
+    tree = build_suffix_tree(3, context, index, None, depth=6, max_nodes=100, alpha=1.0)
     half, third = 1 / 2, 1 / 3
     want = {
         (4,): third, (5,): third,  # W = 1 each, W(root) = 2: 1 / (2 + 1)
@@ -263,31 +262,16 @@ def test_local_and_global_tie_and_touch() -> None:
     local.extend([1, 2, 3, 4, 1, 2, 3])
     cache = GlobalSuffixCache(100)
     used, other = cache.add([1, 2, 3, 5]), cache.add([8, 9])
-    tree = build_suffix_tree(3, local.tokens, local, cache, depth=1, max_nodes=8, alpha=3.0)
-    # Both match 1,2,3: W(4) = 1 (local), W(5) = 0.5 (global), W(root) = 1.5; alpha / 3 = 1.
+    tree = build_suffix_tree(3, local.tokens, local, cache, depth=1, max_nodes=8)
+    # Both match 1,2,3: W(4) = 1 (local), W(5) = 0.5 (global), W(root) = 1.5; alpha = 1.
     assert tree_paths(tree) == pytest.approx({(4,): 1 / 2.5, (5,): 0.5 / 2.5}), "tied sources"
     assert cache.doc_ids == [other, used], "the global doc that was used was not touched"
     longer = cache.add([4, 1, 2, 3, 6])  # matches 4 tokens: the local (3) is then ignored
-    tree = build_suffix_tree(3, local.tokens, local, cache, depth=1, max_nodes=8, alpha=4.0)
+    tree = build_suffix_tree(3, local.tokens, local, cache, depth=1, max_nodes=8)
     assert tree_paths(tree) == pytest.approx({(6,): 0.5 / 1.5}), "the longer match must win"
     assert cache.doc_ids[-1] == longer, "the used doc is the most recently used"
     nothing = build_suffix_tree(7, [9, 9, 7], local, cache, depth=4, max_nodes=8)
     assert len(nothing) == 1, "no match must give the root alone"
-
-
-@pytest.mark.parametrize("m", [1, 2, 3, 8])
-def test_one_occurrence_is_trusted_more_after_a_longer_match(m) -> None:
-    # context = 100, [m matched tokens], 7, 200, [the same m tokens]: the match is exactly m
-    # long (100 != 200), one occurrence, followed by 7.
-    matched = list(range(10, 10 + m))
-    context = [100, *matched, 7, 200, *matched]
-    index = TokenIndex()
-    index.extend(context)
-    assert index.longest_match(context, 1)[0] == m, "the match is not m tokens"
-    tree = build_suffix_tree(
-        context[-1], context, index, None, depth=1, max_nodes=4, min_match=1, alpha=2.0
-    )
-    assert tree_paths(tree) == pytest.approx({(7,): 1 / (1 + 2.0 / m)}), f"m = {m}"
 
 
 def test_touch_keeps_the_order_of_the_docs_used() -> None:

@@ -63,8 +63,8 @@ n for g (never negative) and the last a. Silent rows never take more than half a
 predicted time off (a fit on few mixed forwards must not price a big chunk at nothing).
 
 `token_slope(n, m, c)` is the weighted least-squares slope, in the token count, of the
-predictions at the known exact buckets from n/2 to m: what one more token costs up to that
-size with the buckets' own noise averaged out (speculation control prices tree nodes no lower
+predictions at the known exact buckets from n/2 to 2m: what one more token costs around those
+sizes with the buckets' own noise averaged out (speculation control prices tree nodes no lower
 than that; a difference of two adjacent buckets can come out at nothing or below); 0 (no
 floor) from n = 32 on, where forwards are priced between power-of-two knots.
 """
@@ -489,17 +489,14 @@ class ForwardCostModel:
     def token_slope(self, tokens: int, more: int, context: int) -> float:
         """Seconds a token adds, on average, to a forward growing from `tokens` to `more`
         tokens over `context`: the weighted least-squares slope, in the token count, of the
-        predictions at the known exact buckets from tokens / 2 to `more` (weights: their
-        samples; all known exact buckets if fewer than two lie there), never negative.
+        predictions at the known exact buckets from tokens / 2 to 2 x `more` (weights: their
+        samples), never negative.
 
         What tree nodes cost is a difference of two buckets' fits, and each bucket is fitted
         on its own forwards: adjacent buckets seen over different contexts can put a 12-token
         forward no dearer than an 11-token one (seen on llama.cpp: 59.1 and 58.9 ms predicted
         at 800 context tokens, ~4 ms apart measured), and a node priced at nothing is verified
-        whatever its acceptance. The slope over the sizes below averages that noise out. Not
-        past `more`: a step above the forward is not what its tokens cost (torch here: 1-3
-        tokens of one request 37-42 ms, 4 tokens 60; a slope up to 2 x `more` priced the
-        second token at ~7 ms where it cost ~2)."""
+        whatever its acceptance. The slope over the neighbourhood averages that noise out."""
         if tokens >= _EXACT_BUCKETS:
             # Forwards this big are priced between power-of-two knots, linearly: no adjacent
             # noisy buckets to average, and the exact ones below are no guide here (seen only
@@ -508,7 +505,7 @@ class ForwardCostModel:
             return 0.0
         if self._dirty:
             self._solve()
-        lo, hi = max(1, tokens // 2), min(_EXACT_BUCKETS, max(tokens + 1, more))
+        lo, hi = max(1, tokens // 2), min(_EXACT_BUCKETS, 2 * max(tokens, more))
         first = bisect.bisect_left(self._knots, lo)
         last = bisect.bisect_right(self._knots, hi)
         if last - first < 2:

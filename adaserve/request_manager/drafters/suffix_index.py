@@ -13,9 +13,8 @@ Tree rule (`build_suffix_tree`):
     trie     = the continuations tokens[p : p + depth] of every occurrence in O
     W(v)     = sum of the weights of the occurrences whose continuation passes through v
                (W(root) = sum over O: every occurrence has >= 1 continuation token)
-    P(v | parent(v)) = W(v) / (W(parent(v)) + alpha / m)  additive smoothing that shrinks as
-               the match grows: one occurrence gives 1/3 after a 1-token match, 1/2 after 2,
-               4/5 after 8 (alpha = 2); occurrences ending early keep sum_children P < 1
+    P(v | parent(v)) = W(v) / (W(parent(v)) + alpha)      additive smoothing: one occurrence
+               at alpha = 1 gives 1/2; occurrences ending early keep sum_children P < 1
     f(v)     = prod of P along root..v; keep the max_nodes nodes of largest f(v)
                (ties: shallower, then larger W, then from the more recent occurrence). f never
                grows along a path, and a child ties its parent only at a greater depth, so the
@@ -242,7 +241,7 @@ def build_suffix_tree(
     min_match: int = 2,
     max_matches: int = 32,
     global_weight: float = 0.5,
-    alpha: float = 2.0,
+    alpha: float = 1.0,
 ) -> CandidateTree:
     """Candidate tree of what followed earlier occurrences of the context's suffix.
 
@@ -300,19 +299,13 @@ def build_suffix_tree(
             weight[child] += w
             node = child
 
-    # A longer match is stronger evidence that the context goes on as it went on before: on
-    # greedy outputs of the default model (docs/speculation.md) the continuation of one
-    # earlier occurrence was right 39% of the time after a 1-token match, 52% after 2, 59%
-    # after 3, 77-87% after 4 or more, so the smoothing is divided by the match length.
-    smoothing = alpha / m
-
     # Best-first from the root: the heap pops nodes in descending f (ties: shallower, larger
     # W), which is the global top-max_nodes order since f never grows from parent to child.
     # (-log f, depth, -W, trie node, parent's tree node, logprob)
     heap: list[tuple[float, int, float, int, int, float]] = []
 
     def push_children(trie_node: int, tree_node: int, path_logprob: float, d: int) -> None:
-        denom = weight[trie_node] + smoothing
+        denom = weight[trie_node] + alpha
         for child in kids[trie_node].values():
             logprob = math.log(min(1.0, weight[child] / denom))
             item = (-(path_logprob + logprob), d + 1, -weight[child], child, tree_node, logprob)

@@ -406,21 +406,6 @@ def test_the_token_slope_is_the_trend_of_the_neighbouring_buckets():
     assert ForwardCostModel().token_slope(4, 5, 0) == 0.0, "no data: no floor"
 
 
-def test_a_step_above_the_forward_does_not_price_its_tokens():
-    """Torch here: 1-3 tokens of one request cost 37-42 ms, the fourth jumps to 60. The
-    floor for one or two nodes on one root is the trend up to 3 tokens, not the step above."""
-    model = ForwardCostModel()
-    for n, ms in ((1, 37.4), (2, 40.3), (3, 42.0), (4, 60.1), (5, 63.0), (6, 65.1)):
-        for c in (300, 900):
-            for _ in range(10):
-                model.observe(n, c, (ms + c / 300) / 1000)
-    one, two, three = (model.predict(n, 600) for n in (1, 2, 3))
-    assert three - one == pytest.approx(0.0046, rel=0.05), "the fit is not the measurements"
-    assert model.token_slope(1, 2, 600) == pytest.approx(two - one, rel=1e-6)
-    assert model.token_slope(1, 3, 600) == pytest.approx((three - one) / 2, rel=1e-6)
-    assert model.token_slope(1, 4, 600) > 0.005, "crossing the step, the trend includes it"
-
-
 def test_no_token_slope_floor_beyond_the_exact_buckets():
     """From 32 roots on, forwards are priced between power-of-two knots (linear, no noisy
     neighbours): the exact buckets, seen only over short contexts, must not price a tree node
