@@ -63,6 +63,7 @@ from adaserve.api.metrics import ServerMetrics
 from adaserve.api.server import ModelInfo, make_app, model_info
 from adaserve.cluster.router import ReplicaStats, Router, replica_stats
 from adaserve.config import SchedulerConfig, ServerConfig
+from adaserve.heap import freeze_startup_heap
 from adaserve.request_manager.request import SamplingParams
 from adaserve.request_manager.structured import StructuredOutput
 
@@ -98,6 +99,7 @@ class EngineReplica:
         self._stats = ReplicaStats(0, 0.0, 0.0)
         self._stats_at = 0.0
         self.front.on_state = self._snapshot  # the scheduler is read on its own thread only
+        freeze_startup_heap()  # the replica's actor serves until it exits (heap.py)
         self.front.start()
 
     def _snapshot(self) -> None:
