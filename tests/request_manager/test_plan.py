@@ -7,6 +7,8 @@ gives the tokens the target alone gives.
 
 from __future__ import annotations
 
+import pytest
+
 from adaserve import LLM, LLMEngine, SamplingParams
 from adaserve.config import CacheConfig, ModelConfig, SchedulerConfig
 
@@ -22,8 +24,12 @@ def _engine(path, policy: str) -> LLMEngine:
 PROMPTS = [[5, 9, 13, 17, 21, 25, 29, 33, 37, 41, 45, 5, 9, 13, 17, 21], [3, 4, 5, 3, 4, 5, 3, 4]]
 
 
-def test_schedule_run_commit_is_one_iteration_and_the_plan_is_what_ran(tiny_llama) -> None:
-    engine = _engine(tiny_llama, "adaserve")
+@pytest.mark.parametrize("policy", ["adaserve_paper", "adaserve"])
+def test_schedule_run_commit_is_one_iteration_and_the_plan_is_what_ran(tiny_llama, policy) -> None:
+    # adaserve_paper verifies every tree it selects, so the run must hold trees; adaserve's
+    # speculation control verifies them only while the forwards it times say they pay (on a
+    # loaded machine a whole run of the tiny model can say they never do): same invariants.
+    engine = _engine(tiny_llama, policy)
     sched = engine.scheduler
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     reqs = [engine.add_request(p, params) for p in PROMPTS]
@@ -57,7 +63,8 @@ def test_schedule_run_commit_is_one_iteration_and_the_plan_is_what_ran(tiny_llam
             assert stats.forward_s == out.forward_s
             assert {t.request.request_id for t in plan.trees} <= {r.request_id for r in changed}
     assert not engine.has_unfinished(), "the three calls did not finish the requests"
-    assert saw_chunk and saw_tree, "the run never planned a prompt chunk or a tree"
+    assert saw_chunk, "the run never planned a prompt chunk"
+    assert saw_tree or policy == "adaserve", "adaserve_paper never planned a tree"
     ref = LLM(model=str(tiny_llama)).generate(PROMPTS, params)
     for r, want in zip(reqs, ref):
         assert r.output_token_ids == want.outputs[0].token_ids, "three calls != target alone"
