@@ -3,6 +3,8 @@ forces into the forwards slow a new stream only while those prompts are being pr
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from adaserve import SamplingParams
@@ -376,3 +378,34 @@ def test_admitted_streams_are_protected_over_what_they_have_left():
     # On its last token, T's mean no longer moves: nothing to protect.
     last = _running([_stream(23.0, 3, 2), *[_stream(None, 1000, 2) for _ in range(3)]])
     assert last.refusal(None, max_tokens=64) is None
+
+
+def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_seconds():
+    """Beside streams a prompt's chunks wait until a whole tile fits their paces
+    (prefill.tile_or_wait): 40 iterations of 50 ms carry none of it, then one of 250 ms
+    carries 64 tokens, so the backlog drains 64 tokens every 2.25 s (28 a second). The
+    average of per-iteration rates that `judge` refuses by falls ~0.8^40 between tiles; the
+    best-effort decision, which takes only the time the admitted leave, prices the first
+    token at the rate the backlog really drains (`drain_rate`, over the last 5 s of it; 23.5
+    tokens a second right before a tile): a 100-token prompt behind 936 is 44 s away, within
+    4 x a 12 s objective, not 4 x 9 s; by the average, hours away."""
+    backlog = _prompt(936, due_in_s=60.0)
+    now = [NOW]
+    adm = Admission(SchedulerConfig(), LinearCost(), lambda: ([], [backlog], []), lambda: now[0])
+    waiting, tile = _decode_iteration(4, 0.05), _decode_iteration(4, 0.25)
+    tile.prefill_tokens, tile.prefill_requests = 64, 1
+    for _ in range(6):
+        for stats in [tile, *[waiting] * 40]:
+            adm.observe(stats, 0.0, 4, context=400)
+            now[0] += stats.total_s
+    assert adm.drain_rate is not None and adm.prefill_rate is not None
+    drained = 64 / (40 * 0.05 + 0.25)
+    assert abs(adm.drain_rate - drained) < 0.2 * drained, adm.drain_rate
+    assert adm.prefill_rate < 1e-3 * drained, "the average of per-iteration rates, between tiles"
+    by_average = adm.predicted_ttft_s(100, math.inf)
+    assert by_average is not None and by_average > 3600.0
+    by_drain = adm.predicted_ttft_s(100, math.inf, adm.drain_rate)
+    assert by_drain is not None and abs(by_drain - 1036 / adm.drain_rate) < 1e-6
+    assert adm.best_effort_refusal(None, 100, 12_000.0) is None
+    why = adm.best_effort_refusal(None, 100, 9_000.0)
+    assert why is not None and "limit 36.0" in why, why
