@@ -457,11 +457,12 @@ class Admission:
         None when it can: while fewer than `admission_best_effort` requests are served so, when
         its SLO could be met alone (one no load can meet is refused: retrying will not help,
         relaxing it will), and when its first token, its prompt prefilled after every other
-        at the rate the backlog recently drained (`drain_rate`), is predicted within `admission_best_effort_wait` x its TTFT objective (later, it would
-        be queued). Its row sits out before any stream's
-        (`pacing.deferred_rows`) and its prompt takes only the time the streams' paces leave
-        (prefill.py), so the SLOs admitted keep what they were admitted with; it gets the
-        time they leave, and its output counts (a 429 serves none of it)."""
+        at the rate the backlog recently drained (`drain_rate`), is predicted within
+        `admission_best_effort_wait` x its TTFT objective (later, it would be queued). Its
+        row sits out before any stream's (`pacing.deferred_rows`) and its prompt takes only
+        the time the streams' paces leave (prefill.py), so the SLOs admitted keep what they
+        were admitted with; it gets the time they leave, and its output counts (a 429 serves
+        none of it)."""
         cap = self.cfg.admission_best_effort
         if cap <= 0 or self.cost is None:
             return "best effort is off"
