@@ -558,14 +558,28 @@ class Admission:
         if objective_ms is None or left_s is None or prompt_tokens is None:
             return None
         ttft = self.predicted_ttft_s(prompt_tokens - cached_tokens, left_s)
-        if ttft is not None and waited_s + ttft > self.cfg.slo_headroom * objective_ms / 1000.0:
+        limit_s = self.cfg.slo_headroom * objective_ms / 1000.0
+        if ttft is not None and waited_s + ttft > limit_s:
             named = "slo_ttft_ms" if slo_ttft_ms is not None else "the default for its prompt"
-            return Refusal(
-                f"the first token would come after about {waited_s + ttft:.1f} s at the "
-                f"current load, past this request's time-to-first-token objective of "
-                f"{objective_ms / 1000.0:.1f} s ({named}); retry later",
-                first_token=True,
+            objective = (
+                f"this request's time-to-first-token objective of "
+                f"{objective_ms / 1000.0:.1f} s ({named})"
             )
+            # Refused by `prefill_rate`, which is low while the streams leave prompts no
+            # time; the seconds the message names are those at the rate prompts really
+            # drained (`drain_rate`), where the average would name hours.
+            real = self.predicted_ttft_s(prompt_tokens - cached_tokens, left_s, self.drain_rate)
+            if real is not None and waited_s + real > limit_s:
+                message = (
+                    f"the first token would come after about {waited_s + real:.1f} s at the "
+                    f"current load, past {objective}; retry later"
+                )
+            else:
+                message = (
+                    f"the first token would not come within {objective}: the requests being "
+                    f"served have left prompts almost no time lately; retry later"
+                )
+            return Refusal(message, first_token=True)
         for r in over:
             r.prefill_yields = True
         return None

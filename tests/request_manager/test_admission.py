@@ -409,3 +409,16 @@ def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_se
     assert adm.best_effort_refusal(None, 100, 12_000.0) is None
     why = adm.best_effort_refusal(None, 100, 9_000.0)
     assert why is not None and "limit 36.0" in why, why
+    # `judge` still refuses by the average (low exactly while the streams leave prompts no
+    # time), but its 429 names no first token hours away: the seconds at the real rate when
+    # those are past the objective too (4.3 s against 0.85 x 3 s), else why it is refused.
+    why_429 = adm.judge(None, 100, 3_000.0)
+    assert why_429 is not None and why_429.first_token
+    assert why_429.message.startswith(
+        f"the first token would come after about {100 / adm.drain_rate:.1f} s"
+    ), why_429.message
+    why_429 = adm.judge(None, 100, 12_000.0)
+    assert why_429 is not None and why_429.message.startswith(
+        "the first token would not come within this request's time-to-first-token objective "
+        "of 12.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
+    ), why_429.message
