@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 from adaserve import LLMEngine, SamplingParams
 from adaserve.bench.passes import SCENARIOS, EnginePool, add_totals, own_clock, turns
@@ -164,6 +165,38 @@ def serve_side_by_side(
     return [p.result for p in passes]
 
 
+def parse_config(entry: str) -> tuple[str, str, dict[str, Any]]:
+    """A `--configs` entry, `policy[:drafter][,field=value...]`: its policy, drafter ("" for
+    the default) and `SchedulerConfig` fields to set, each value read as the type of the
+    field's default (`adaserve:suffix,explore_budget=0.01`: a knob against the default,
+    side by side in one run). Raises ValueError naming an unknown field or a bad value."""
+    head, *sets = entry.split(",")
+    policy, _, drafter = head.partition(":")
+    known = {f.name: f.default for f in fields(SchedulerConfig)}
+    overrides: dict[str, Any] = {}
+    for item in sets:
+        name, eq, text = item.partition("=")
+        if not eq or name not in known:
+            raise ValueError(
+                f"--configs {entry!r}: {item!r} is not field=value of a SchedulerConfig field"
+            )
+        default = known[name]
+        try:
+            if isinstance(default, bool):
+                if text not in ("true", "false"):
+                    raise ValueError(text)
+                overrides[name] = text == "true"
+            elif isinstance(default, (int, float, str)):
+                overrides[name] = type(default)(text)
+            else:
+                raise ValueError(text)
+        except ValueError:
+            raise ValueError(
+                f"--configs {entry!r}: {name} takes {type(default).__name__} values, not {text!r}"
+            ) from None
+    return policy, drafter, overrides
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
@@ -183,7 +216,8 @@ def main() -> None:
         "--configs",
         nargs="+",
         default=["incremental", "adaserve:suffix", "adaserve_paper:suffix"],
-        help="policy[:drafter] entries; the first is the baseline",
+        help="policy[:drafter][,field=value...] entries (SchedulerConfig fields to set, e.g. "
+        "adaserve:suffix,explore_budget=0.01); the first is the baseline",
     )
     ap.add_argument(
         "--scenario",
@@ -207,7 +241,8 @@ def main() -> None:
         metavar="DIR",
         default=None,
         help="append each configuration's iteration timelines to DIR/<policy>_<drafter>.jsonl "
-        "(every pass of it; see request_manager/timeline.py)",
+        "(_<field>-<value> added for each field a config sets; every pass of it; see "
+        "request_manager/timeline.py)",
     )
     ap.add_argument(
         "--rounds",
@@ -227,10 +262,14 @@ def main() -> None:
     stagger = args.lengths == "staggered"
     trace = load_trace(args.trace)
 
-    def factory(policy: str, drafter: str) -> Callable[[], LLMEngine]:
+    def factory(entry: str) -> Callable[[], LLMEngine]:
+        policy, drafter, overrides = parse_config(entry)
         timeline = None
         if args.record_iterations:
-            timeline = str(Path(args.record_iterations) / f"{policy}_{drafter or 'auto'}.jsonl")
+            name = f"{policy}_{drafter or 'auto'}" + "".join(
+                f"_{k}-{v}" for k, v in overrides.items()
+            )
+            timeline = str(Path(args.record_iterations) / f"{name}.jsonl")
         return lambda: LLMEngine(
             ModelConfig(
                 model=args.model,
@@ -245,13 +284,13 @@ def main() -> None:
                 budget=args.budget,
                 max_num_seqs=max(args.concurrency),
                 record_iterations=timeline,
+                **overrides,
             ),
         )
 
     factories = {}
     for entry in args.configs:
-        policy, _, drafter = entry.partition(":")
-        factories[entry] = factory(policy, drafter)
+        factories[entry] = factory(entry)
     pool = EnginePool(args.scenario, factories)
     tok = pool.engine(args.configs[0])  # any engine tokenizes; it serves nothing measured
     by_cat: dict[str, list[list[int]]] = {c: [] for c in CATEGORIES}
