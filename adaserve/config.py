@@ -302,8 +302,9 @@ class SchedulerConfig:
     # row sits out first and its prompt goes last (Admission.best_effort_refusal). 0: refuse.
     admission_best_effort: int = 4
     admission_best_effort_wait: float = 4.0
-    # Under overload (a request refused for its SLO in the last admission_work_window_s),
-    # --admission slo serves the requests that need the least compute first: it refuses one
+    # Under overload (the arrivals of the last admission_work_window_s need more compute than
+    # admission_work_share of its seconds), --admission slo serves the requests that need the
+    # least compute first: it refuses one
     # whose work (its prompt's prefill alone plus its max_tokens at the marginal cost of a
     # decode row, from the cost model) lies above what the cheapest of the window's arrivals
     # fill of admission_work_share of the window's seconds. A long prompt costs the machine

@@ -236,10 +236,10 @@ FIELD_HELP: dict[str, str] = {
     "are; 0 refuses it",
     "admission_best_effort_wait": "serve best effort only a request whose first token, its "
     "prompt prefilled last, is predicted within this many times its TTFT objective",
-    "admission_work_share": "--admission slo under overload (a request refused for its SLO "
-    "within the work window) refuses requests needing more compute than the cheapest recent "
-    "arrivals fill of this share of the window; 0: off",
-    "admission_work_window_s": "seconds of arrivals (and of SLO refusals) the work rule looks at",
+    "admission_work_share": "--admission slo under overload (the work window's arrivals need "
+    "more than this share of its seconds) refuses requests needing more compute than the "
+    "cheapest recent arrivals fill of it; 0: off",
+    "admission_work_window_s": "seconds of arrivals the work rule looks at",
     "admission_ema": "weight of the newest iteration in admission's decode-period average",
     "tokens_per_request_ema": "weight of the newest iteration in tokens emitted per request",
     "host_ema": "weight of the newest iteration in host time per iteration",

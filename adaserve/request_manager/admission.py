@@ -87,19 +87,26 @@ def iterations_left(req: Request, tokens_per_request: float) -> float:
 
 
 def batch_over_time(
-    ends: Sequence[tuple[float, int]], extra: int, extra_until: float, cap: int
+    ends: Sequence[tuple[float, int]],
+    extra: int,
+    extra_until: float,
+    cap: int,
+    extra_context: int = 0,
 ) -> list[tuple[float, float, int, int]]:
     """The batch as the requests here end: (start, stop, rows, context) segments of
     iterations from now, each row present until its end (`ends`: (iterations left, context
-    tokens) per request), `extra` more rows (newcomers, no context counted) until
-    `extra_until`; rows at most `cap`, the segments until every row has ended."""
+    tokens) per request), `extra` more rows (newcomers, attending `extra_context` tokens
+    between them) until `extra_until`; rows at most `cap`, the segments until every row has
+    ended."""
     marks = sorted({0.0, extra_until, *(k for k, _ in ends)})
     segments = []
     for start, stop in zip(marks, marks[1:]):
         present = [c for k, c in ends if k > start]
-        rows = len(present) + (extra if extra_until > start else 0)
+        joined = extra_until > start
+        rows = len(present) + (extra if joined else 0)
         if rows:
-            segments.append((start, stop, min(rows, cap), sum(present)))
+            context = sum(present) + (extra_context if joined else 0)
+            segments.append((start, stop, min(rows, cap), context))
     return segments
 
 
@@ -157,10 +164,8 @@ class Admission:
         self.drain_rate: float | None = None
         self._drained_tokens = 0.0
         self._drained_s = 0.0
-        # Arrivals judged in the last admission_work_window_s: (time, work seconds, key), and
-        # when a request was last refused for its SLO (`work_refusal`).
+        # Arrivals judged in the last admission_work_window_s: (time, work seconds, key).
         self._arrivals: deque[tuple[float, float, Hashable]] = deque()
-        self._slo_refused_at: float | None = None
         # What the last TPOT prediction was made of (ms and counts), for the refusal's log line.
         self.last_prediction: dict[str, float] = {}
 
@@ -180,6 +185,7 @@ class Admission:
         first_token_due: float | None = None,
         prompts_yield: bool = False,
         over_life: bool = True,
+        extra_context: int = 0,
     ) -> float | None:
         """Seconds per output token a request admitted now (with `extra` - 1 more after it)
         would see once it decodes, over
@@ -205,6 +211,10 @@ class Admission:
         at the rows its streams could give away, the tight streams admitted into that time
         left the prompts little, and the 0.5-rps replay met 79-81% of SLOs against 87.5%
         (docs/results.md, "Streams ahead of their pace").
+        `extra_context`: the tokens the newcomers' rows attend (their prompts): every key is
+        priced in every forward it is in (on ggml ~12 ms an iteration for 1,000 of them,
+        docs/results.md), and a 976-token prompt priced as a row with no keys was admitted
+        beside 60-ms streams that its keys then pushed past their SLO.
         With `over_life` and `max_tokens`, the batch is the one it will decode in, on average
         over its life: the requests here end (at most their `max_tokens`), so a request
         admitted beside streams with a few tokens left is priced by the batch after them
@@ -214,7 +224,7 @@ class Admission:
         running, prefilling, waiting = ([r for r in q if not r.best_effort] for q in self.queues())
         reqs = [*running, *prefilling, *waiting]
         n = min(len(reqs) + extra, self.cfg.max_num_seqs)
-        context = sum(r.num_tokens for r in reqs[:n])
+        context = sum(r.num_tokens for r in reqs[:n]) + extra_context
         iteration = self.iteration_s(n, context)
         if self.cfg.chunked_prefill and prefilling:
             # Prompt tokens that ride along whatever the SLOs allow (a TTFT objective's due)
@@ -264,32 +274,39 @@ class Admission:
         tpot = min(speculating / self.tokens_per_request, plain)
         if over_life and max_tokens is not None:
             life = max_tokens / max(self.tokens_per_request, 1.0)
-            factor = self.life_factor(life, extra, life)
+            factor = self.life_factor(life, extra, life, extra_context)
             self.last_prediction["life_factor"] = factor
             tpot *= factor
         return tpot
 
-    def life_factor(self, horizon: float, extra: int, extra_until: float) -> float:
+    def life_factor(
+        self, horizon: float, extra: int, extra_until: float, extra_context: int = 0
+    ) -> float:
         """The mean predicted iteration over the next `horizon` decode iterations, as the
         requests here end (`iterations_left`: each at most its `max_tokens`) with `extra` more
-        rows until `extra_until`, over the iteration of everyone now (<= 1). Requests served
-        best effort do not count (their rows sit out first)."""
-        return self.life_curve(extra, extra_until)(horizon)
+        rows (attending `extra_context` tokens) until `extra_until`, over the iteration of
+        everyone now (<= 1). Requests served best effort do not count (their rows sit out
+        first)."""
+        return self.life_curve(extra, extra_until, extra_context)(horizon)
 
-    def life_curve(self, extra: int, extra_until: float) -> Callable[[float], float]:
+    def life_curve(
+        self, extra: int, extra_until: float, extra_context: int = 0
+    ) -> Callable[[float], float]:
         """`life_factor` for any horizon, from one pass over the batch's segments."""
         assert self.cost is not None
         reqs = [r for q in self.queues() for r in q if not r.best_effort]
         cap = self.cfg.max_num_seqs
         now = self.iteration_s(
-            min(len(reqs) + extra, cap), sum(r.num_tokens for r in reqs[: max(0, cap - extra)])
+            min(len(reqs) + extra, cap),
+            sum(r.num_tokens for r in reqs[: max(0, cap - extra)]) + extra_context,
         )
         ends = [(iterations_left(r, self.tokens_per_request), r.num_tokens) for r in reqs]
         starts: list[float] = []
         times: list[float] = []  # predicted seconds of each segment's iterations
         totals: list[float] = []  # their sum up to each segment's start
         total = 0.0
-        for start, stop, rows, context in batch_over_time(ends, extra, extra_until, cap):
+        segments = batch_over_time(ends, extra, extra_until, cap, extra_context)
+        for start, stop, rows, context in segments:
             t = self.iteration_s(rows, context)
             starts.append(start)
             times.append(t)
@@ -369,10 +386,12 @@ class Admission:
     def work_limit_s(self, now: float) -> float | None:
         """The most work an arrival may need now (`work_refusal`), None for no limit: the
         window's arrivals taken cheapest first until they fill admission_work_share of the
-        window's seconds; the last that fits sets it."""
+        window's seconds; the last that fits sets it. None when they all fit, or when not
+        even the cheapest does (nothing cheaper to serve instead: one prompt larger than the
+        budget, alone in the window, is served)."""
         budget = self.cfg.admission_work_share * self.cfg.admission_work_window_s
         total = 0.0
-        limit = 0.0
+        limit = None
         for work in sorted(w for _, w, _ in self._arrivals):
             total += work
             if total > budget:
@@ -383,13 +402,17 @@ class Admission:
     def work_refusal(
         self, work: float, prompt_tokens: int, max_tokens: int | None
     ) -> Refusal | None:
-        """Under overload (a request refused for its SLO within the window), one whose work
-        is above `work_limit_s` is refused: each request counts one SLO, and the compute of
-        one long prompt serves several short requests (docs/scheduling.md, "Work")."""
-        now = self.clock()
-        window = self.cfg.admission_work_window_s
-        if self._slo_refused_at is None or now - self._slo_refused_at > window:
+        """Under overload (the window's arrivals need more than admission_work_share of its
+        seconds), one whose work is above `work_limit_s` is refused: each request counts one
+        SLO, and the compute of one long prompt serves several short requests
+        (docs/scheduling.md, "Work"). The arrivals' work says so as they come; waiting for a
+        refusal for an SLO (the rule before) let long prompts in with their promise at the
+        start of an overload, and the arrivals behind them were refused. A server with nothing
+        to do is not overloaded, whatever a request declares it may need (a `max_tokens` of
+        2^70 is valid): it serves the request."""
+        if not any(self.queues()):
             return None
+        now = self.clock()
         limit = self.work_limit_s(now)
         if limit is None or work <= limit:
             return None
@@ -521,12 +544,9 @@ class Admission:
                 work = self._note_arrival(work, key)
                 if (why := self.work_refusal(work, prompt_tokens, max_tokens)) is not None:
                     return why
-        why = self._judge(
+        return self._judge(
             slo_tpot_ms, prompt_tokens, slo_ttft_ms, max_tokens, waited_s, cached_tokens
         )
-        if why is not None:
-            self._slo_refused_at = self.clock()
-        return why
 
     def _judge(
         self,
@@ -542,14 +562,15 @@ class Admission:
             objective_ms = self.ttft_objective_ms(prompt_tokens, slo_ttft_ms)
         left_s = None if objective_ms is None else objective_ms / 1000.0 - waited_s
         due = None if left_s is None else self.clock() + left_s
-        why = self._tpot_refusal(slo_tpot_ms, max_tokens, due)
+        keys = prompt_tokens or 0  # the newcomer's row attends its prompt in every forward
+        why = self._tpot_refusal(slo_tpot_ms, max_tokens, due, keys=keys)
         over: list[Request] = []
         if why is not None and due is not None and self.cfg.prompts_yield:
             # What the prompts behind it force into every forward is all that stands in its
             # way: let it in over them, and they ride in the streams' slack from now on.
             _, prefilling, _ = self.queues()
             over = [r for r in behind(prefilling, due) if not r.prefill_yields]
-            if over and self._tpot_refusal(slo_tpot_ms, max_tokens, due, True) is None:
+            if over and self._tpot_refusal(slo_tpot_ms, max_tokens, due, True, keys) is None:
                 why = None
             else:
                 over = []
@@ -590,12 +611,16 @@ class Admission:
         max_tokens: int | None,
         first_token_due: float | None,
         prompts_yield: bool = False,
+        keys: int = 0,
     ) -> str | None:
+        """Why the newcomer's TPOT, or an admitted request's, would be past its SLO; `keys`:
+        the tokens the newcomer's row attends (its prompt), priced in every batch it is in."""
         tpot = self.predicted_tpot_s(
             max_tokens=max_tokens,
             first_token_due=first_token_due,
             prompts_yield=prompts_yield,
             over_life=False,
+            extra_context=keys,
         )
         if tpot is None:
             return None
@@ -607,7 +632,7 @@ class Admission:
         ms = ms_now
         if max_tokens is not None:
             life = max_tokens / max(self.tokens_per_request, 1.0)
-            ms = ms_now * self.life_factor(life, 1, life)
+            ms = ms_now * self.life_factor(life, 1, life, keys)
         headroom = self.cfg.slo_headroom
         if slo_tpot_ms is not None and ms > headroom * slo_tpot_ms:
             return (
@@ -627,7 +652,7 @@ class Admission:
             left = iterations_left(r, self.tokens_per_request)
             if left <= 1.0:
                 continue  # its last token comes before the newcomer's row joins
-            curve = curve or self.life_curve(1, life)
+            curve = curve or self.life_curve(1, life, keys)
             theirs = ms_now * curve(left)
             if theirs > headroom * held:
                 return (

@@ -493,10 +493,10 @@ def test_under_overload_the_most_expensive_request_gets_429_for_its_work(
     tiny_llama, share: float
 ) -> None:
     """A 100 ms stream decodes 400 tokens (~32 s of work on these 50 ms + 30 ms per request
-    forwards); a request refused for its SLO marks the server overloaded; then one needing
-    ~12 s (400 tokens beside the stream) is refused at arrival for its work (429 with
-    Retry-After, the reason said), where without the rule (share 0) it is refused for the
-    stream's SLO."""
+    forwards), more than the 5-s window's budget: the server is overloaded; a cheap request
+    (refused for its own SLO) sets the limit, and one needing ~12 s (400 tokens beside the
+    stream) is refused at arrival for its work (429 with Retry-After, the reason said), where
+    without the rule (share 0) it is refused for the stream's SLO."""
     from tests.virtual_time import slow_forwards
 
     engine = slow_forwards(

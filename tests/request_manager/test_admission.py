@@ -210,31 +210,38 @@ def test_under_overload_the_requests_needing_the_least_compute_are_served_first(
     # 1.464 s alone; a 4,000-token one 4.02 + 1.344 = 5.364 s. Budget: 0.5 x 10 s = 5 s.
     clock = [NOW]
     cfg = SchedulerConfig(admission_work_share=0.5, admission_work_window_s=10.0)
-    adm = Admission(cfg, LinearCost(), lambda: ([], [], []), lambda: clock[0])
+    queued = [Request("q", [1, 2], SamplingParams(max_tokens=8))]  # the server is busy
+    adm = Admission(cfg, LinearCost(), lambda: ([], [], queued), lambda: clock[0])
     short, long = 1.464, 5.364
     assert abs(adm.work_s(100, 64) - short) < 1e-9 and abs(adm.work_s(4000, 64) - long) < 1e-9
     for i in range(3):
         assert adm.judge(None, 100, max_tokens=64, key=f"s{i}") is None
-    assert adm.judge(None, 4000, max_tokens=64, key="l0") is None, "nothing refused yet: admitted"
-    assert abs(adm.work_limit_s(clock[0]) - short) < 1e-9, (
-        "3 short ones fill 4.4 of 5 s, the long does not"
-    )
-    # A request refused for its SLO: the server is overloaded from now on, for the window.
-    why = adm.judge(1.0, 100, max_tokens=64, key="tight")
-    assert why is not None and "slo_tpot_ms" in why.message
-    refused = adm.judge(None, 4000, max_tokens=64, key="l1")
+    assert adm.work_limit_s(clock[0]) is None, "3 short ones fill 4.4 of 5 s: no limit"
+    # The long one would take the window's arrivals past the budget: the server is
+    # overloaded and sheds it, before any request was refused for its SLO (waiting for one
+    # had let such prompts in with their promise, and the arrivals after them were refused).
+    refused = adm.judge(None, 4000, max_tokens=64, key="l0")
     assert refused is not None and "least compute" in refused.message, refused
     assert "5.4 s" in refused.message and "4000-token prompt" in refused.message
     assert refused.first_token, "not held: waiting for its turn cannot come while overloaded"
-    assert refused.work and not why.work, "served best effort, it would spend that compute"
+    assert refused.work, "served best effort, it would spend that compute"
+    assert abs(adm.work_limit_s(clock[0]) - short) < 1e-9, "the short ones fit, the long not"
     assert adm.judge(None, 100, max_tokens=64, key="s3") is None, "a cheap one is admitted"
+    why = adm.judge(1.0, 100, max_tokens=64, key="tight")
+    assert why is not None and "slo_tpot_ms" in why.message and not why.work
     # Judged again (held), a request is one arrival, not two.
     n = len(adm._arrivals)
     adm.judge(None, 100, max_tokens=64, key="s3")
     assert len(adm._arrivals) == n
-    # A window without a refusal for an SLO: no limit.
+    # Once the window's arrivals are past, the long one is alone in it: larger than the
+    # budget, but there is nothing cheaper to serve instead.
     clock[0] += 10.5
     assert adm.judge(None, 4000, max_tokens=64, key="l2") is None
+    assert adm.judge(None, 100, max_tokens=64, key="s4") is None
+    assert adm.judge(None, 4000, max_tokens=64, key="l3") is not None, "now there is"
+    # A server with nothing to do serves what it is sent, whatever max_tokens says.
+    queued.clear()
+    assert adm.judge(None, 4, max_tokens=2**70, key="huge") is None
     off = Admission(
         SchedulerConfig(admission_work_share=0.0), LinearCost(), lambda: ([], [], []), lambda: NOW
     )
@@ -422,3 +429,33 @@ def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_se
         "the first token would not come within this request's time-to-first-token objective "
         "of 12.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
     ), why_429.message
+
+
+class KeyCost(LinearCost):
+    """LinearCost plus 12 us for every key the forward's rows attend (ggml on this machine:
+    ~12 ms an iteration for 1,000 keys)."""
+
+    def predict(self, tokens: int, context: int, silent: int = 0, silent_pairs: int = 0) -> float:
+        return super().predict(tokens, context) + 12e-6 * context
+
+
+def test_a_newcomer_is_priced_with_the_keys_its_prompt_adds_to_every_forward():
+    # A 35 ms stream T with 64 tokens left and a 302-token context, and a newcomer with no
+    # SLO and 64 tokens. Its row alone would make the batch 2 rows: 22 + 3.6 ms = 25.6 ms. A
+    # 1,000-token prompt adds 12 ms to every forward it is in (37.6 ms over T's whole rest,
+    # past its SLO): refused for T's sake; a 20-token prompt adds 0.24 ms: admitted.
+    t = _stream(35.0, 66, 2)
+    t.prompt_token_ids.extend(range(298))
+    assert t.num_tokens == 302
+    adm = Admission(SchedulerConfig(), KeyCost(), lambda: ([t], [], []), lambda: NOW)
+    assert adm.judge(None, 20, max_tokens=64) is None
+    why = adm.judge(None, 1000, max_tokens=64)
+    assert why is not None, "priced as a row with no keys, it was admitted"
+    assert "slow the requests being served past their slo_tpot_ms 35" in why.message, why
+    assert adm.predicted_tpot_s(max_tokens=64, extra_context=1000) == pytest.approx(
+        0.022 + 12e-6 * 1302
+    )
+    # Its own SLO too: 30 ms fits a 20-token prompt's batch (26 ms), not a 1,000-token one's.
+    assert adm.judge(30.0, 20, max_tokens=64) is None
+    own = adm.judge(30.0, 1000, max_tokens=64)
+    assert own is not None and "slo_tpot_ms 30 cannot be met" in own.message, own
