@@ -34,7 +34,7 @@ from adaserve.exec.loader import (
     locate_tokenizer,
 )
 from adaserve.exec.model.eagle import is_eagle_head, load_eagle_head
-from adaserve.exec.model.llama import choose_cpu_linears
+from adaserve.exec.model.llama import choose_cpu_linears, packed_linears_pay
 from adaserve.exec.prefix_cache import PrefixCache
 from adaserve.exec.runner import ForwardOutput, PlanToRun, Runner, run_plan
 from adaserve.exec.torch_runner import EagleRunner, ModelRunner, make_attention_backend
@@ -46,6 +46,8 @@ def _build_runner(
     model = load_model(path, model_cfg.dtype, model_cfg.device, model_cfg.trust_remote_code)
     if model_cfg.device == "cpu":
         choose_cpu_linears(model.linear_weights())
+        if packed_linears_pay():
+            model.pack_cpu_linears()
     a = model.args
     dtype = next(model.parameters()).dtype
     device = torch.device(model_cfg.device)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -138,16 +139,57 @@ SKINNY_MIN_BYTES = 64 << 20
 # F.linear, which the linears timed alone did not show).
 SKINNY_MARGIN = 0.9
 
+# oneDNN's blocked weight layout (`pack_cpu_weight`) is laid out for about this many rows; it
+# serves any row count (on the Xeon here 8 and 64 timed alike from 1 to 256 rows, 1 slower).
+PACK_ROWS_HINT = 8
+# The row count that decides packed weights for prompt chunks (more than SKINNY_MAX_ROWS rows).
+PACK_LARGE_ROWS = 128
+
 # Per row count (index), whether `linear` runs F.linear: all False until `choose_cpu_linears`
 # times the model's own weights. One table per process, set by the largest model timed.
 _F_LINEAR_ROWS: list[bool] = [False] * (SKINNY_MAX_ROWS + 1)
-_CHOSEN: dict[tuple, list[bool]] = {}
+# Per row count, whether a weight packed by `pack_cpu_weight` runs (index SKINNY_MAX_ROWS + 1:
+# any count past SKINNY_MAX_ROWS); all False until `choose_cpu_linears` timed it faster.
+_PACKED_ROWS: list[bool] = [False] * (SKINNY_MAX_ROWS + 2)
+_CHOSEN: dict[tuple, tuple[list[bool], list[bool]]] = {}
 _APPLIED_BYTES = [0]  # the weights' size behind the table `linear` follows
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def pack_cpu_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """`weight` [out, in] re-laid out once in oneDNN's blocked format for `linear`'s `packed`,
+    or None where that cannot be done (not float32 on CPU, a torch without oneDNN). The result
+    is a copy (as many floats) that only `_packed_linear` can read."""
+    if weight.device.type != "cpu" or weight.dtype != torch.float32:
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    try:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+    except (AttributeError, RuntimeError):  # an op this build of torch does not have
+        return None
+
+
+def _packed_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    packed: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [T, in]; on CPU in float32 with 1 <= T <= 64, as W x^T
-    unless `choose_cpu_linears` found F.linear faster for T rows on this machine.
+    unless `choose_cpu_linears` found F.linear faster for T rows on this machine; with
+    `packed` (`pack_cpu_weight(weight)`), by oneDNN over it for the row counts where
+    `choose_cpu_linears` timed that faster than both.
+
+    Packed: on the AVX-512 Xeon here F.linear took 61-84 ms over the default model's linears
+    at 1-8 rows and 339 at 128, the packed weights 22-29 and 190 (docs/results.md, "Weights
+    packed once"): F.linear goes through oneDNN too and lays the weight out again in every
+    call. Not for a product whose gradient is wanted (oneDNN's op has none).
 
     Both are one BLAS call over the same products; what differs is the kernel, and which is
     faster depends on the CPU and the BLAS. On an AVX2 EPYC, MKL's kernel for `x W^T` with a
@@ -160,7 +202,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     chunks past 64 rows keep `F.linear`.
     """
     rows = x.shape[0] if x.dim() == 2 else 0
-    if x.device.type != "cpu" or x.dtype != torch.float32 or not 1 <= rows <= SKINNY_MAX_ROWS:
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return F.linear(x, weight, bias)
+    if (
+        packed is not None
+        and _PACKED_ROWS[min(rows, SKINNY_MAX_ROWS + 1)]
+        and not (x.requires_grad and torch.is_grad_enabled())
+    ):
+        return _packed_linear(x, packed, bias)
+    if not 1 <= rows <= SKINNY_MAX_ROWS:
         return F.linear(x, weight, bias)
     if _F_LINEAR_ROWS[rows]:
         return F.linear(x, weight, bias)
@@ -193,34 +243,88 @@ def choose_cpu_linears(weights: list[torch.Tensor], repeats: int = 3) -> list[bo
     if key not in _CHOSEN:
         _CHOSEN[key] = _measure(weights, repeats)
     if size >= _APPLIED_BYTES[0]:  # a draft timed after its target leaves the target's choice
-        _F_LINEAR_ROWS[:] = _CHOSEN[key]
+        _F_LINEAR_ROWS[:], _PACKED_ROWS[:] = _CHOSEN[key]
         _APPLIED_BYTES[0] = size
     return list(_F_LINEAR_ROWS)
 
 
-def _measure(weights: list[torch.Tensor], repeats: int) -> list[bool]:
+def packed_linears_pay() -> bool:
+    """Whether `choose_cpu_linears` timed packed weights faster at some row count (a model
+    loaded now should pack its linears: `LlamaForCausalLM.pack_cpu_linears`)."""
+    return any(_PACKED_ROWS)
+
+
+def _measure(weights: list[torch.Tensor], repeats: int) -> tuple[list[bool], list[bool]]:
+    packed = [pack_cpu_weight(w) for w in weights]
+    can_pack = all(p is not None for p in packed)
+
     def run(fn, xs: dict[int, torch.Tensor]) -> float:
         start = time.perf_counter()
         for w in weights:
             fn(xs[w.shape[1]], w, None)
         return time.perf_counter() - start
 
+    def run_packed(xs: dict[int, torch.Tensor]) -> float:
+        start = time.perf_counter()
+        for w, p in zip(weights, packed):
+            assert p is not None
+            _packed_linear(xs[w.shape[1]], p, None)
+        return time.perf_counter() - start
+
     times: dict[int, tuple[float, float]] = {}
+    packed_times: dict[int, tuple[float, float]] = {}  # rows: (packed s, best other s)
     with torch.inference_mode():
-        for point in SKINNY_POINTS:
+        for point in (*SKINNY_POINTS, PACK_LARGE_ROWS):
+            large = point > SKINNY_MAX_ROWS
+            if large and not can_pack:
+                break
             xs = {w.shape[1]: torch.randn(point, w.shape[1]) for w in weights}
-            run(F.linear, xs), run(w_xt, xs)  # warm both up
-            f_times, w_times = [], []
-            for _ in range(repeats):  # interleaved, so a drift in the machine's speed hits both
-                f_times.append(run(F.linear, xs))
-                w_times.append(run(w_xt, xs))
-            times[point] = (statistics.median(f_times), statistics.median(w_times))
+            kernels: dict[str, Callable[[dict[int, torch.Tensor]], float]] = {
+                "f": lambda xs: run(F.linear, xs)
+            }
+            if not large:
+                kernels["w"] = lambda xs: run(w_xt, xs)
+            if can_pack:
+                kernels["p"] = run_packed
+            for fn in kernels.values():
+                fn(xs)  # warm each up
+            taken: dict[str, list[float]] = {k: [] for k in kernels}
+            for _ in range(repeats):  # interleaved, so a drift in the machine's speed hits all
+                for k, fn in kernels.items():
+                    taken[k].append(fn(xs))
+            med = {k: statistics.median(v) for k, v in taken.items()}
+            if not large:
+                times[point] = (med["f"], med["w"])
+            if can_pack:
+                packed_times[point] = (med["p"], min(med["f"], med.get("w", math.inf)))
     table = pick_linears(times)
+    packs = pick_packed(packed_times) if can_pack else [False] * (SKINNY_MAX_ROWS + 2)
     logger.info(
-        "few-row CPU linears: F.linear at %s rows, W x^T at %s (timed on this machine)",
-        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if table[r]]),
-        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if not table[r]]),
+        "CPU linears: F.linear at %s rows, W x^T at %s, packed weights at %s%s (timed on "
+        "this machine)",
+        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if table[r] and not packs[r]]),
+        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if not table[r] and not packs[r]]),
+        _spans([r for r in range(1, SKINNY_MAX_ROWS + 1) if packs[r]]),
+        f" and past {SKINNY_MAX_ROWS}" if packs[-1] else "",
     )
+    return table, packs
+
+
+def pick_packed(times: dict[int, tuple[float, float]]) -> list[bool]:
+    """{rows: (packed s, the faster of F.linear and W x^T s)} at `SKINNY_POINTS` and
+    PACK_LARGE_ROWS -> per row count 0..SKINNY_MAX_ROWS + 1 (the last: any count past
+    SKINNY_MAX_ROWS, decided by PACK_LARGE_ROWS) whether packed weights run: where they took
+    under `SKINNY_MARGIN` of the other at the next point up."""
+    table = [False] * (SKINNY_MAX_ROWS + 2)
+    lower = 0
+    for point in SKINNY_POINTS:
+        packed_s, other_s = times[point]
+        for rows in range(lower + 1, point + 1):
+            table[rows] = packed_s < SKINNY_MARGIN * other_s
+        lower = point
+    if PACK_LARGE_ROWS in times:
+        packed_s, other_s = times[PACK_LARGE_ROWS]
+        table[-1] = packed_s < SKINNY_MARGIN * other_s
     return table
 
 
@@ -252,8 +356,12 @@ def _spans(rows: list[int]) -> str:
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) computed by `linear`."""
 
+    # The weight laid out for oneDNN (`pack_cpu_weight`), set by
+    # `LlamaForCausalLM.pack_cpu_linears` where that pays; None: `linear` never uses it.
+    packed: torch.Tensor | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed)
 
 
 class RMSNorm(nn.Module):
@@ -350,6 +458,9 @@ class LlamaForCausalLM(nn.Module):
         # A draft's reduced-vocabulary head (restrict_head): token ids and their weight rows.
         self.head_token_ids: torch.Tensor | None = None
         self.head_weight: torch.Tensor | None = None
+        # The LM head's weight (or head_weight) packed for `linear` (pack_cpu_linears).
+        self.head_packed: torch.Tensor | None = None
+        self.linears_packed = False
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
@@ -369,12 +480,43 @@ class LlamaForCausalLM(nn.Module):
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return weights + [head]
 
+    def pack_cpu_linears(self) -> int:
+        """Give every linear (and the LM head) a copy of its weight packed for oneDNN
+        (`pack_cpu_weight`), which `linear` runs at the row counts `choose_cpu_linears` timed
+        it faster; returns the bytes the copies take (0 where nothing was packed).
+
+        The copies are kept beside the weights (other code reads `weight`), so they double
+        the linears' memory: a model whose copies would take more than a quarter of the
+        memory free now is not packed (logged)."""
+        need = sum(w.numel() * w.element_size() for w in self.linear_weights())
+        free = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+        if need > free / 4:
+            logger.warning(
+                "not packing the model's linears for oneDNN: the copies would take %.0f MiB "
+                "of %.0f MiB free (the slower kernels run)",
+                need / 2**20,
+                free / 2**20,
+            )
+            return 0
+        self.linears_packed = True
+        size = 0
+        for m in self.layers.modules():
+            if isinstance(m, Linear):
+                m.packed = pack_cpu_weight(m.weight)
+                size += 0 if m.packed is None else m.packed.numel() * 4
+        self.head_packed = pack_cpu_weight(self._head())
+        size += 0 if self.head_packed is None else self.head_packed.numel() * 4
+        logger.info("packed the model's linears for oneDNN: %.0f MiB more memory", size / 2**20)
+        return size
+
+    def _head(self) -> torch.Tensor:
+        if self.head_weight is not None:
+            return self.head_weight
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] -> float32 logits [N, vocab] (or [N, K], see restrict_head)."""
-        if self.head_weight is not None:
-            return linear(hidden, self.head_weight).float()
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self._head(), packed=self.head_packed).float()
 
     def restrict_head(self, token_ids: torch.Tensor | None) -> None:
         """Compute logits only for `token_ids` [K] (a draft's reduced vocabulary); None: all.
@@ -383,10 +525,14 @@ class LlamaForCausalLM(nn.Module):
         """
         if token_ids is None:
             self.head_token_ids = self.head_weight = None
+            if self.linears_packed:
+                self.head_packed = pack_cpu_weight(self._head())
             return
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.head_token_ids = token_ids.to(weight.device)  # [K] int64
         self.head_weight = weight[self.head_token_ids].contiguous()  # [K, hidden]
+        if self.linears_packed:
+            self.head_packed = pack_cpu_weight(self.head_weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load HF-named tensors, stacking q/k/v and gate/up; raise if anything is missing."""
