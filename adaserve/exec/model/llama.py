@@ -314,18 +314,10 @@ def pick_packed(times: dict[int, tuple[float, float]]) -> list[bool]:
     """{rows: (packed s, the faster of F.linear and W x^T s)} at `SKINNY_POINTS` and
     PACK_LARGE_ROWS -> per row count 0..SKINNY_MAX_ROWS + 1 (the last: any count past
     SKINNY_MAX_ROWS, decided by PACK_LARGE_ROWS) whether packed weights run: where they took
-    under `SKINNY_MARGIN` of the other at the next point up."""
-    table = [False] * (SKINNY_MAX_ROWS + 2)
-    lower = 0
-    for point in SKINNY_POINTS:
-        packed_s, other_s = times[point]
-        for rows in range(lower + 1, point + 1):
-            table[rows] = packed_s < SKINNY_MARGIN * other_s
-        lower = point
-    if PACK_LARGE_ROWS in times:
-        packed_s, other_s = times[PACK_LARGE_ROWS]
-        table[-1] = packed_s < SKINNY_MARGIN * other_s
-    return table
+    under `SKINNY_MARGIN` of the other at the next point up (`pick_linears`' rule)."""
+    large = times.get(PACK_LARGE_ROWS)
+    table = pick_linears({point: times[point] for point in SKINNY_POINTS})
+    return table + [large is not None and large[0] < SKINNY_MARGIN * large[1]]
 
 
 def pick_linears(times: dict[int, tuple[float, float]]) -> list[bool]:
