@@ -21,14 +21,14 @@ def packed_linears(request, monkeypatch) -> bool:
     """Both ways a CPU model's linears run: as loaded, and with every weight packed for
     oneDNN (`pack_cpu_weight`) and `linear` told to use them at every row count (what
     `choose_cpu_linears` chooses for a large model where they are faster; the tiny models
-    here are never timed)."""
+    here are never timed; the table is the process's, so "plain" sets it too: a large model
+    loaded earlier in the process may have chosen packed weights)."""
     from adaserve.exec.model import llama
 
-    if request.param:
-        if llama.pack_cpu_weight(torch.randn(8, 8)) is None:
-            assert platform.machine() not in ("x86_64", "AMD64"), "x86-64 torch has oneDNN"
-            pytest.skip("this build of torch cannot pack weights for oneDNN")
-        monkeypatch.setattr(llama, "_PACKED_ROWS", [True] * (llama.SKINNY_MAX_ROWS + 2))
+    if request.param and llama.pack_cpu_weight(torch.randn(8, 8)) is None:
+        assert platform.machine() not in ("x86_64", "AMD64"), "x86-64 torch has oneDNN"
+        pytest.skip("this build of torch cannot pack weights for oneDNN")
+    monkeypatch.setattr(llama, "_PACKED_ROWS", [request.param] * (llama.SKINNY_MAX_ROWS + 2))
     return request.param
 
 
