@@ -265,15 +265,27 @@ class SpeculationController:
         # Never 0: a model with no data (or a slope fitted too steep) must not divide by it.
         return max(padded_s, MIN_FORWARD_S)
 
-    def verify_s(self, n: int, nodes: int, context: int, tree_pairs: int = 0) -> float:
+    def verify_s(
+        self,
+        n: int,
+        nodes: int,
+        context: int,
+        tree_pairs: int = 0,
+        roots_s: float | None = None,
+    ) -> float:
         """Predicted time of a forward of `n` roots and `nodes` tree nodes: never less than the
         roots' forward plus `nodes` x the cost model's per-token slope over the sizes around
-        (`token_slope`), so nodes are not priced at the difference of two noisy buckets' fits."""
+        (`token_slope`), so nodes are not priced at the difference of two noisy buckets' fits.
+        `roots_s`: `forward_s(n, context)` when the caller has it (pruning prices every prefix
+        of one selection over the same roots: without it, each price searched the padded
+        sizes of the roots' forward again, most of a paper-scale iteration's host time)."""
         spec = self.forward_s(n + nodes, context, tree_pairs)
         if nodes <= 0:
             return spec
         slope = self.verify_cost.token_slope(n, n + nodes, context)
-        floor = self.forward_s(n, context) + nodes * slope
+        if roots_s is None:
+            roots_s = self.forward_s(n, context)
+        floor = roots_s + nodes * slope
         return max(max(spec, floor) * self.tree_cost_factor, floor)
 
     def observe_forward(
@@ -438,7 +450,7 @@ class SpeculationController:
         for k, (*_, r, v) in enumerate(adds, start=1):
             p = trees[r].path_prob(v)
             expected += p
-            verify_s = self.verify_s(n, k, context, pairs[k])
+            verify_s = self.verify_s(n, k, context, pairs[k], plain_s)
             fits.add(k, r, p, verify_s)
             rate = expected / verify_s
             if rate > best_rate and fits.ok[k]:
@@ -452,14 +464,17 @@ class SpeculationController:
         # costs (net of what it gets accepted) stays within explore_budget of the plain
         # forward time, however costly a tree token is on this backend; when the credit
         # cannot pay for them all, the most probable nodes it can pay for.
-        base_s = self.verify_s(n, best_k, context, pairs[best_k])
+        base_s = self.verify_s(n, best_k, context, pairs[best_k], plain_s)
         while explore_k > best_k and (
             not fits.ok[explore_k]
-            or self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s > self.explore_credit
+            or self.verify_s(n, explore_k, context, pairs[explore_k], plain_s) - base_s
+            > self.explore_credit
         ):
             explore_k -= 1
         if explore_k > best_k:
-            self.explore_credit -= self.verify_s(n, explore_k, context, pairs[explore_k]) - base_s
+            self.explore_credit -= (
+                self.verify_s(n, explore_k, context, pairs[explore_k], plain_s) - base_s
+            )
             self._explore_pending = (self.forward_s(n, context) / n, best_expected - n)
             best_k = explore_k
             best_expected = n + sum(trees[r].path_prob(v) for *_, r, v in adds[:best_k])
@@ -486,7 +501,9 @@ class SpeculationController:
         if self.exploring:
             limit = (1.0 + self.cfg.explore_cost) * plain_s
             k = 1
-            while k < candidates and self.verify_s(n, k + 1, context, pairs[k + 1]) <= limit:
+            while (
+                k < candidates and self.verify_s(n, k + 1, context, pairs[k + 1], plain_s) <= limit
+            ):
                 k += 1
             return k
         if best_k:
