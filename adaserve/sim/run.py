@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import sys
-from collections.abc import Sequence
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from adaserve.bench.workload import (
@@ -178,6 +179,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="serve best effort only a request whose first token, its prompt last, is "
         "predicted within FACTOR x its TTFT objective (the server's flag)",
     )
+    p.add_argument(
+        "--find-rate",
+        type=float,
+        default=None,
+        metavar="ATTAINMENT",
+        help="capacity planning: for each policy and router, search the highest request rate "
+        "between the lowest and highest --rps whose SLO attainment (first token counted) is "
+        ">= ATTAINMENT (e.g. 0.95), by bisection; every probe is a result line, and a table of "
+        "the rates found ends the run",
+    )
+    p.add_argument(
+        "--rate-tolerance",
+        type=float,
+        default=0.05,
+        help="with --find-rate: stop when the highest rate that met the target and the lowest "
+        "that missed it are within this fraction of each other",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -243,21 +261,115 @@ def run(a: argparse.Namespace) -> int:
         if r not in ROUTERS:
             raise ValueError(f"unknown router {r!r}; one of {', '.join(ROUTERS)}")
     results = []
-    for rps in a.rps or [None]:
+
+    def point(rps: float | None, policy: str, router: str) -> dict:
+        setup = replace(setups[policy], router=router)
+        # Labels name the router only when there is a choice of one.
+        via = f" x{setup.replicas} {router}" if setup.replicas > 1 or len(routers) > 1 else ""
+        label = f"{policy}{via}{a.label_suffix}"
         reqs = prepare_point(a, trace, rps)
-        for (policy, base), router in ((ps, r) for ps in setups.items() for r in routers):
-            setup = replace(base, router=router)
-            # Labels name the router only when there is a choice of one.
-            via = f" x{setup.replicas} {router}" if setup.replicas > 1 or len(routers) > 1 else ""
-            label = f"{policy}{via}{a.label_suffix}"
-            sim = simulate(reqs, setup, progress=not a.no_progress, desc=f"{label} @ {rps}")
-            result = _result(a, trace, reqs, rps, label, sim, setup)
-            append_jsonl(Path(a.out), [result])
-            append_requests(a, result, sim.records)
-            print(f"{one_line(result)} ({sim.wall_s:.1f} s to simulate)", flush=True)
-            results.append(result)
+        sim = simulate(reqs, setup, progress=not a.no_progress, desc=f"{label} @ {rps}")
+        result = _result(a, trace, reqs, rps, label, sim, setup)
+        append_jsonl(Path(a.out), [result])
+        append_requests(a, result, sim.records)
+        print(f"{one_line(result)} ({sim.wall_s:.1f} s to simulate)", flush=True)
+        results.append(result)
+        return result
+
+    if a.find_rate is not None:
+        return _capacity(a, policies, routers, point, results)
+    for rps in a.rps or [None]:
+        for policy, router in ((p, r) for p in policies for r in routers):
+            point(rps, policy, router)
     finish_report(a, results)
     return 0
+
+
+@dataclass(frozen=True)
+class RateFound:
+    """What a capacity search found: `met` the highest rate probed whose attainment reached
+    the target (None: not even the lowest), `missed` the lowest above it that fell short (None:
+    not even the highest did); `probes` every (rate, attainment) in the order run."""
+
+    met: float | None
+    missed: float | None
+    probes: tuple[tuple[float, float], ...]
+
+
+def find_rate(
+    attainment_at: Callable[[float], float],
+    target: float,
+    low: float,
+    high: float,
+    tolerance: float = 0.05,
+) -> RateFound:
+    """The highest request rate in [low, high] whose attainment is >= `target`, by bisection
+    (geometric: rates span orders of magnitude) until the rate that met and the one that missed
+    are within `tolerance` of each other. Attainment falls with the rate only on average (a
+    simulation's noise, a trace's bursts): what is returned is a bracket the probes saw, not a
+    proof that every rate under `met` meets the target."""
+    if not 0 < low <= high:
+        raise ValueError(f"rates to search need 0 < low <= high, got {low} and {high}")
+    if not 0 < target <= 1:
+        raise ValueError(f"the target attainment is a fraction in (0, 1], got {target}")
+    if tolerance <= 0:
+        raise ValueError(f"--rate-tolerance must be > 0, got {tolerance}")
+    probes: list[tuple[float, float]] = []
+
+    def meets(rps: float) -> bool:
+        att = attainment_at(rps)
+        probes.append((rps, att))
+        return att >= target
+
+    if not meets(low):
+        return RateFound(None, low, tuple(probes))
+    if high == low or meets(high):
+        return RateFound(high if high > low else low, None, tuple(probes))
+    met, missed = low, high
+    while missed > met * (1.0 + tolerance):
+        mid = float(f"{math.sqrt(met * missed):.3g}")  # 3 significant figures
+        if not met < mid < missed:
+            break
+        if meets(mid):
+            met = mid
+        else:
+            missed = mid
+    return RateFound(met, missed, tuple(probes))
+
+
+def _capacity(a, policies, routers, point, results) -> int:
+    if not a.rps:
+        raise ValueError("--find-rate searches between the lowest and highest --rps: give both")
+    low, high = min(a.rps), max(a.rps)
+    rows = []
+    for policy, router in ((p, r) for p in policies for r in routers):
+        found = find_rate(
+            lambda rps, p=policy, r=router: point(rps, p, r)["slo_attainment"] or 0.0,
+            a.find_rate,
+            low,
+            high,
+            a.rate_tolerance,
+        )
+        rows.append((policy, router, found))
+    print(format_capacity(a.find_rate, a.replicas, rows))
+    print(f"results appended to {a.out}", file=sys.stderr)
+    return 0
+
+
+def format_capacity(target: float, replicas: int, rows) -> str:
+    """The capacity table: per policy and router, the rate that met the target and the one
+    above it that did not (the rate sustained lies between)."""
+    lines = [
+        f"| policy | router | replicas | rate at >= {100 * target:.0f}% (met) | "
+        "first rate missed | probes (rps: attainment) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for policy, router, f in rows:
+        met = "< lowest probed" if f.met is None else f"{f.met:g}"
+        missed = "> highest probed" if f.missed is None else f"{f.missed:g}"
+        probes = ", ".join(f"{r:g}: {100 * att:.1f}%" for r, att in sorted(f.probes))
+        lines.append(f"| {policy} | {router} | {replicas} | {met} | {missed} | {probes} |")
+    return "\n".join(lines)
 
 
 def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:

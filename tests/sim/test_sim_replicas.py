@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from adaserve.bench.report import summarize
-from adaserve.sim.run import simulate
+from adaserve.request_manager.control.profile import LatencyPoint, Profile
+from adaserve.sim.run import RateFound, find_rate, simulate
 from tests.sim.test_simulate import ConstantCost, LinearCost, bench_requests, setup
 
 
@@ -100,3 +103,67 @@ def test_holding_refused_requests_serves_them_once_streams_end() -> None:
     assert got[0.5]["refused"] < got[0.0]["refused"] / 2, got
     assert got[0.5]["slo_attainment"] > got[0.0]["slo_attainment"] + 0.05, got
     assert got[0.5]["slo_attainment"] >= 0.95, "the held requests met TTFT and TPOT once in"
+
+
+def test_find_rate_brackets_the_rate_where_attainment_crosses_the_target() -> None:
+    # A cluster whose attainment falls linearly from 100% at 10 rps to 0% at 50 rps meets 95%
+    # up to 12 rps.
+    seen = []
+
+    def attainment(rps: float) -> float:
+        seen.append(rps)
+        return min(1.0, max(0.0, (50.0 - rps) / 40.0))
+
+    found = find_rate(attainment, 0.95, 5.0, 80.0, tolerance=0.02)
+    assert found.met is not None and found.missed is not None
+    assert found.met <= 12.0 < found.missed <= found.met * 1.02
+    assert [r for r, _ in found.probes] == seen, "every probe is reported, in order"
+    assert all((att >= 0.95) == (r <= 12.0) for r, att in found.probes)
+    # Out of the range on either side: said so, not clamped to a made-up rate.
+    assert find_rate(attainment, 0.95, 20.0, 40.0) == RateFound(None, 20.0, ((20.0, 0.75),))
+    assert find_rate(attainment, 0.95, 2.0, 8.0).met == 8.0
+    assert find_rate(attainment, 0.95, 2.0, 8.0).missed is None
+    with pytest.raises(ValueError, match="0 < low <= high"):
+        find_rate(attainment, 0.95, 8.0, 2.0)
+    with pytest.raises(ValueError, match="fraction"):
+        find_rate(attainment, 95.0, 2.0, 8.0)
+
+
+def test_simulate_find_rate_reports_each_router_s_capacity(tmp_path: Path, capsys) -> None:
+    from adaserve.cli import main
+
+    # 2 replicas of a server whose forward is 20 ms + 0.5 ms a token, 40-ms streams (at most
+    # 40 rows a replica, ~30 rps between the two): the search's probes are result lines, and
+    # the table's bracket agrees with them.
+    trace = [
+        {
+            "emission_time_ms": 100.0 * i,
+            "prompt": "word " * 16,
+            "input_length": 16,
+            "output_length": 64,
+            "slo_ratio": -40.0,
+        }
+        for i in range(160)
+    ]
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128))
+    Profile("cpu", "m", "d", target, (), 16, 1.5, 256, 20.5).save(tmp_path / "p.json")
+    out = tmp_path / "r.jsonl"
+    argv = ["simulate", "--trace", str(tmp_path / "t.json"), "--policy", "incremental"]
+    argv += ["--cost-model", str(tmp_path / "p.json"), "--replicas", "2"]
+    argv += ["--router", "slo,pow2", "--admission", "slo", "--rps", "5,400"]
+    argv += ["--find-rate", "0.95", "--rate-tolerance", "0.25", "--out", str(out)]
+    assert main([*argv, "--no-progress"]) == 0
+    table = capsys.readouterr().out
+    results = [json.loads(x) for x in out.read_text().splitlines()]
+    for router in ("slo", "pow2"):
+        probes = {
+            r["rps"]: r["slo_attainment"]
+            for r in results
+            if r["label"] == f"incremental x2 {router} (sim)"
+        }
+        assert probes[5.0] >= 0.95 > probes[400.0], probes
+        met = max(rps for rps, att in probes.items() if att >= 0.95)
+        missed = min(rps for rps, att in probes.items() if rps > met)
+        assert probes[missed] < 0.95 and missed <= 1.25 * met, probes
+        assert f"| incremental | {router} | 2 | {met:g} | {missed:g} |" in table, table
