@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.cluster.router import ReplicaStats, Router
+from adaserve.cluster.router import ReplicaStats, Router, replica_stats
 
 
 def router(policy: str, stats: list[ReplicaStats]) -> Router:
@@ -32,14 +32,17 @@ def test_tight_requests_go_where_the_room_is_and_loose_ones_where_the_queue_is_s
 
 
 def test_loose_requests_keep_away_from_replicas_that_hold_tight_ones() -> None:
-    # Replica 0 serves a 30 ms request among 4; replica 1 only 400 ms ones, 6 of them.
-    stats = [ReplicaStats(4, 18.0, 1.0, 30.0), ReplicaStats(6, 20.0, 1.0, 400.0)]
+    # Replica 0 serves a 30 ms request among 5; replica 1 only 400 ms ones, 5 of them.
+    stats = [ReplicaStats(5, 18.0, 1.0, 30.0), ReplicaStats(5, 20.0, 1.0, 400.0)]
     r = router("slo", stats)
     assert r.rank(400.0) == [1, 0], "a loose stream would eat into the 30 ms request's room"
     assert r.rank(25.0) == [0, 1], "a tight one goes where the room is"
-    # But not at any price: a replica holding tighter requests counts double, no more.
-    r.refresh([stats[0], ReplicaStats(10, 20.0, 1.0, 400.0)])
+    # But not at any price: a replica holding tighter requests counts one request more, so a
+    # loose request never waits behind two more requests than elsewhere to keep away.
+    r.refresh([stats[0], ReplicaStats(7, 20.0, 1.0, 400.0)])
     assert r.rank(400.0) == [0, 1]
+    r.refresh([stats[0], ReplicaStats(6, 20.0, 1.0, 400.0)])
+    assert r.rank(400.0) == [0, 1], "5 + 1 for the tight one held, against 6: a tie, by TPOT"
 
 
 def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
@@ -62,6 +65,66 @@ def test_a_replica_whose_prompt_backlog_outlasts_a_first_token_is_not_packed() -
     assert r.fallback() == 0
     r.refresh([stats[0], ReplicaStats(8, 40.0, 1.0, backlog_s=0.4)])
     assert r.rank(400.0) == [0, 1], "a short backlog: feasible again"
+
+
+def test_requests_routed_since_the_snapshot_count_a_typical_prompt_in_the_backlog() -> None:
+    # Both replicas predict a TPOT any loose request tolerates; replica 0 holds no tight
+    # request and 0.4 s of prompts, and its prompts take 0.25 s each to prefill alone.
+    stats = [
+        ReplicaStats(2, 20.0, 0.1, backlog_s=0.4, prompt_s=0.25),
+        ReplicaStats(6, 20.0, 0.1, 30.0, backlog_s=0.0, prompt_s=0.25),
+    ]
+    r = router("slo", stats)
+    firsts = []
+    for _ in range(4):
+        first = r.rank(400.0)[0]
+        r.routed(first)
+        firsts.append(first)
+    # Three sent there make 0.4 + 3 x 0.25 = 1.15 s of prompts, past the 1-s budget: the
+    # fourth goes to the replica holding the tight request, though the stale stats still
+    # show replica 0 with 0.4 s.
+    assert firsts[:3] == [0, 0, 0] and r.backlog_s(0) == pytest.approx(1.15)
+    assert firsts[3] == 1 and r.rank(400.0) == [1]
+    assert r.fallback() == 1
+    r.refresh(stats)
+    assert r.backlog_s(0) == pytest.approx(0.4), "a new snapshot shows the backlog itself"
+
+
+class _Held:
+    def __init__(self, prompt: int, slo: float | None, cached: int) -> None:
+        self.prompt_token_ids = [0] * prompt
+        self.num_tokens, self.num_cached = prompt, cached
+        self.params = type("P", (), {"slo_tpot_ms": slo})()
+
+
+class _Admission:
+    """What `replica_stats` reads of a replica's admission, priced at 1 ms a prompt token."""
+
+    cost = object()
+
+    def __init__(self, running, prefilling, waiting) -> None:
+        self._queues = (running, prefilling, waiting)
+
+    def queues(self):
+        return self._queues
+
+    def predicted_tpot_s(self, extra: int) -> float:
+        return 0.020 + 0.002 * extra
+
+    def iteration_s(self, tokens: int, context: int, silent: int = 0, pairs: int = 0) -> float:
+        return 0.001 * tokens
+
+
+def test_a_replica_publishes_its_backlog_and_what_a_typical_prompt_costs_it() -> None:
+    running = [_Held(100, 50.0, 100), _Held(300, 150.0, 300)]
+    waiting = [_Held(200, None, 0)]
+    stats = replica_stats(_Admission(running, [_Held(400, 30.0, 100)], waiting))
+    assert stats.num_requests == 4 and stats.tightest_slo_ms == 30.0
+    assert stats.tpot_ms == pytest.approx(22.0) and stats.slope_ms == pytest.approx(2.0)
+    assert stats.backlog_s == pytest.approx(0.3 + 0.2), "what is left of each queued prompt"
+    assert stats.prompt_s == pytest.approx(0.25), "the mean of the 100-400 token prompts"
+    empty = replica_stats(_Admission([], [], []))
+    assert (empty.num_requests, empty.backlog_s, empty.prompt_s) == (0, 0.0, 0.0)
 
 
 def test_reservations_spread_a_burst_until_the_next_refresh() -> None:
@@ -99,6 +162,7 @@ replica = st.builds(
     st.floats(0.0, 20.0),
     st.one_of(st.just(math.inf), st.floats(5.0, 300.0)),
     st.floats(0.0, 2.0),
+    st.floats(0.0, 0.5),
 )
 
 
@@ -112,15 +176,16 @@ def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> No
     feasible = {
         i
         for i, s in enumerate(stats)
-        if r.predicted_tpot_ms(i) <= 0.85 * min(slo, s.tightest_slo_ms) and s.backlog_s <= 1.0
+        if r.predicted_tpot_ms(i) <= 0.85 * min(slo, s.tightest_slo_ms)
+        and s.backlog_s + s.prompt_s * r.reserved[i] <= 1.0
     }
     assert set(ranked) == feasible and len(ranked) == len(feasible)
     tight = slo <= 1.5 * min(r.predicted_tpot_ms(i) for i in range(len(stats)))
     if tight:  # the most room first
         keys = [r.predicted_tpot_ms(i) for i in ranked]
-    else:  # the shortest queue, a replica holding tighter requests counted double
+    else:  # the shortest queue, a replica holding tighter requests counted one more
         keys = [
-            (stats[i].num_requests + r.reserved[i]) * (2 if stats[i].tightest_slo_ms < slo else 1)
+            stats[i].num_requests + r.reserved[i] + (1 if stats[i].tightest_slo_ms < slo else 0)
             for i in ranked
         ]
     assert keys == sorted(keys)
