@@ -14,24 +14,23 @@ Policies (`rank` returns replica indices, best first; an empty list means refuse
   backlog of prompts drains within `ttft_budget_s` (else a first token waits behind it),
   come first; a tight request goes where the predicted TPOT is lowest (the most room); a
   loose one to the fewest requests, a replica that holds tighter requests (whose room it
-  would eat into) counted as holding `LOOSE_AVERSION` (1) more, so among replicas about as
-  loaded the classes separate, and none is loaded past the others for it. None
-  feasible: refuse (the cluster-wide 429). Three designs lost at paper scale: packing loose
-  requests where the predicted TPOT is highest (best fit; 8 replicas, roofline, 32 rps:
-  29.7% against power-of-two's 100%), because where a forward costs about the same for 1 or
+  would eat into) counted `LOOSE_AVERSION` (2) times as loaded, so the classes tend to
+  separate without piling onto the few replicas that hold no tight request. None
+  feasible: refuse (the cluster-wide 429). Two designs lost at paper scale (8 replicas,
+  roofline, 32 rps, against power-of-two's 100%): packing loose requests where the predicted
+  TPOT is highest (best fit), 29.7%, because where a forward costs about the same for 1 or
   200 tokens the prediction hardly moves as a replica fills and one replica took nearly
-  every loose request; sending them strictly to replicas holding no tighter request (93.2%
-  there), as those few replicas' prompts queued past their first-token objectives; and
-  counting a replica that holds tighter requests twice as loaded (64 replicas, the
-  artifact's Llama table, stats 0.5 s old, 240 rps: 96.9% against power-of-two's 99.1%, the
-  loose class 85.1%: nearly every replica held a tight request, and the loose requests
-  piled onto the few that did not until their prompts missed their first tokens).
+  every loose request; and sending them strictly to replicas holding no tighter request,
+  93.2%, as those few replicas' prompts queued past their first-token objectives. Counting
+  such a replica as holding one request more instead of twice as loaded won at 64 simulated
+  replicas (stats 0.5 s old, 240 rps: 99.9% against 97.8%) and lost on the real 2-replica Ray
+  replay (docs/results.md): not kept.
 
     predicted(i) = tpot_ms(i) + slope_ms(i) x reserved(i)
     feasible(i) <=> predicted(i) <= headroom x min(slo_tpot_ms, tightest_slo_ms(i))
                     and backlog_s(i) + prompt_s(i) x reserved(i) <= ttft_budget_s
     tight <=> slo_tpot_ms <= tight_factor x min_i tpot_ms(i)
-    loose order: requests(i) + reserved(i) + (1 if tightest_slo_ms(i) < slo_tpot_ms else 0)
+    loose order: (requests(i) + reserved(i)) x (2 if tightest_slo_ms(i) < slo_tpot_ms else 1)
 """
 
 from __future__ import annotations
@@ -48,11 +47,10 @@ if TYPE_CHECKING:
 ROUTERS = ("slo", "pow2", "round_robin")
 # A request whose SLO is within this factor of the best TPOT any replica offers is tight.
 TIGHT_FACTOR = 1.5
-# A loose request counts a replica that holds tighter requests as holding this many more
-# requests: it leaves their room alone among replicas about as loaded, never at the price
-# of piling onto the few that hold none (a strict preference lost 7 points of first-token
-# attainment at 8 replicas; counting them twice as loaded, 2 points at 64).
-LOOSE_AVERSION = 1
+# A loose request counts a replica that holds tighter requests as this many times as
+# loaded: it prefers to leave their room alone, but not at the price of piling onto the few
+# replicas that hold none (a strict preference lost 7 points of TTFT attainment at scale).
+LOOSE_AVERSION = 2.0
 # Held requests whose prompts price a typical newcomer's (`ReplicaStats.prompt_s`).
 PROMPT_SAMPLE = 16
 
@@ -172,7 +170,7 @@ class Router:
         return sorted(
             feasible,
             key=lambda i: (
-                load[i] + (LOOSE_AVERSION if self.stats[i].tightest_slo_ms < slo_tpot_ms else 0),
+                load[i] * (LOOSE_AVERSION if self.stats[i].tightest_slo_ms < slo_tpot_ms else 1),
                 tpot[i],
                 i,
             ),

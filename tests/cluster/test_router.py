@@ -32,17 +32,14 @@ def test_tight_requests_go_where_the_room_is_and_loose_ones_where_the_queue_is_s
 
 
 def test_loose_requests_keep_away_from_replicas_that_hold_tight_ones() -> None:
-    # Replica 0 serves a 30 ms request among 5; replica 1 only 400 ms ones, 5 of them.
-    stats = [ReplicaStats(5, 18.0, 1.0, 30.0), ReplicaStats(5, 20.0, 1.0, 400.0)]
+    # Replica 0 serves a 30 ms request among 4; replica 1 only 400 ms ones, 6 of them.
+    stats = [ReplicaStats(4, 18.0, 1.0, 30.0), ReplicaStats(6, 20.0, 1.0, 400.0)]
     r = router("slo", stats)
     assert r.rank(400.0) == [1, 0], "a loose stream would eat into the 30 ms request's room"
     assert r.rank(25.0) == [0, 1], "a tight one goes where the room is"
-    # But not at any price: a replica holding tighter requests counts one request more, so a
-    # loose request never waits behind two more requests than elsewhere to keep away.
-    r.refresh([stats[0], ReplicaStats(7, 20.0, 1.0, 400.0)])
+    # But not at any price: a replica holding tighter requests counts double, no more.
+    r.refresh([stats[0], ReplicaStats(10, 20.0, 1.0, 400.0)])
     assert r.rank(400.0) == [0, 1]
-    r.refresh([stats[0], ReplicaStats(6, 20.0, 1.0, 400.0)])
-    assert r.rank(400.0) == [0, 1], "5 + 1 for the tight one held, against 6: a tie, by TPOT"
 
 
 def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
@@ -183,9 +180,9 @@ def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> No
     tight = slo <= 1.5 * min(r.predicted_tpot_ms(i) for i in range(len(stats)))
     if tight:  # the most room first
         keys = [r.predicted_tpot_ms(i) for i in ranked]
-    else:  # the shortest queue, a replica holding tighter requests counted one more
+    else:  # the shortest queue, a replica holding tighter requests counted double
         keys = [
-            stats[i].num_requests + r.reserved[i] + (1 if stats[i].tightest_slo_ms < slo else 0)
+            (stats[i].num_requests + r.reserved[i]) * (2 if stats[i].tightest_slo_ms < slo else 1)
             for i in ranked
         ]
     assert keys == sorted(keys)

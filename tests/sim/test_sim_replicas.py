@@ -46,11 +46,7 @@ def test_the_slo_router_meets_more_slos_than_power_of_two_on_mixed_slos() -> Non
     # Three classes (30 / 80 / 400 ms), 4 replicas, 33 requests/s, every replica's admission
     # on and deciding at arrival: where each request goes decides whether the tight ones fit
     # anywhere. (Holding refused requests, the default, lets a replica take them once its
-    # streams end, which here leaves every router at 100%: the next test.) Counting a replica
-    # that holds tighter requests twice as loaded for a loose one met 100% here; counting it
-    # one request more (the rule since 64 simulated replicas showed the loose class piling
-    # onto the few replicas without a tight request, docs/results.md) meets 94.6% against
-    # 92.9% / 93.3%: still ahead, with fewer refusals.
+    # streams end, which here leaves every router at 96-100%: the next test.)
     reqs = [
         replace(b, slo_tpot_ms=[30.0, 80.0, 400.0][b.trace.index % 3])
         for b in bench_requests(240, 0.03, prompt_words=16, out=48)
@@ -74,8 +70,8 @@ def test_the_slo_router_meets_more_slos_than_power_of_two_on_mixed_slos() -> Non
         for router in ("round_robin", "pow2", "slo")
     }
     att = {router: got[router]["slo_attainment"] for router in got}
-    assert att["slo"] > att["pow2"] and att["slo"] > att["round_robin"], att
-    assert got["slo"]["refused"] < min(got["pow2"]["refused"], got["round_robin"]["refused"])
+    assert att["slo"] > att["pow2"] + 0.05 and att["slo"] > att["round_robin"] + 0.05, att
+    assert got["slo"]["refused"] < got["pow2"]["refused"] / 2, got
 
 
 def test_holding_refused_requests_serves_them_once_streams_end() -> None:
