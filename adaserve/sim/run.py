@@ -277,7 +277,7 @@ def run(a: argparse.Namespace) -> int:
         return result
 
     if a.find_rate is not None:
-        return _capacity(a, policies, routers, point, results)
+        return _capacity(a, policies, routers, point)
     for rps in a.rps or [None]:
         for policy, router in ((p, r) for p in policies for r in routers):
             point(rps, policy, router)
@@ -337,19 +337,22 @@ def find_rate(
     return RateFound(met, missed, tuple(probes))
 
 
-def _capacity(a, policies, routers, point, results) -> int:
+def _capacity(
+    a: argparse.Namespace,
+    policies: Sequence[str],
+    routers: Sequence[str],
+    point: Callable[[float, str, str], dict],
+) -> int:
     if not a.rps:
         raise ValueError("--find-rate searches between the lowest and highest --rps: give both")
     low, high = min(a.rps), max(a.rps)
+
+    def attainment(policy: str, router: str) -> Callable[[float], float]:
+        return lambda rps: point(rps, policy, router)["slo_attainment"] or 0.0
+
     rows = []
     for policy, router in ((p, r) for p in policies for r in routers):
-        found = find_rate(
-            lambda rps, p=policy, r=router: point(rps, p, r)["slo_attainment"] or 0.0,
-            a.find_rate,
-            low,
-            high,
-            a.rate_tolerance,
-        )
+        found = find_rate(attainment(policy, router), a.find_rate, low, high, a.rate_tolerance)
         rows.append((policy, router, found))
     print(format_capacity(a.find_rate, a.replicas, rows))
     print(f"results appended to {a.out}", file=sys.stderr)
