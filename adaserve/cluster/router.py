@@ -14,23 +14,25 @@ Policies (`rank` returns replica indices, best first; an empty list means refuse
   backlog of prompts drains within `ttft_budget_s` (else a first token waits behind it),
   come first; a tight request goes where the predicted TPOT is lowest (the most room); a
   loose one to the fewest requests, a replica that holds tighter requests (whose room it
-  would eat into) counted `LOOSE_AVERSION` (2) times as loaded, so the classes tend to
-  separate without piling onto the few replicas that hold no tight request. None
+  would eat into) counted up to `LOOSE_AVERSION` (2) times as loaded, less as such replicas
+  become most of the feasible ones (`loose_aversion`), so the classes tend to separate
+  without piling onto the few replicas that hold no tight request. None
   feasible: refuse (the cluster-wide 429). Two designs lost at paper scale (8 replicas,
   roofline, 32 rps, against power-of-two's 100%): packing loose requests where the predicted
   TPOT is highest (best fit), 29.7%, because where a forward costs about the same for 1 or
   200 tokens the prediction hardly moves as a replica fills and one replica took nearly
   every loose request; and sending them strictly to replicas holding no tighter request,
-  93.2%, as those few replicas' prompts queued past their first-token objectives. Counting
-  such a replica as holding one request more instead of twice as loaded won at 64 simulated
-  replicas (stats 0.5 s old, 240 rps: 99.9% against 97.8%) and lost on the real 2-replica Ray
-  replay (docs/results.md): not kept.
+  93.2%, as those few replicas' prompts queued past their first-token objectives. A fixed
+  aversion of 2 lost to power of two at 64 simulated replicas (stats 0.5 s old) and one of
+  a request more lost on the real 2-replica Ray replay (docs/results.md); the shrinking
+  aversion is 2 on two replicas and near 1 where nearly every replica holds a tight request.
 
     predicted(i) = tpot_ms(i) + slope_ms(i) x reserved(i)
     feasible(i) <=> predicted(i) <= headroom x min(slo_tpot_ms, tightest_slo_ms(i))
                     and backlog_s(i) + prompt_s(i) x reserved(i) <= ttft_budget_s
     tight <=> slo_tpot_ms <= tight_factor x min_i tpot_ms(i)
-    loose order: (requests(i) + reserved(i)) x (2 if tightest_slo_ms(i) < slo_tpot_ms else 1)
+    loose order: (requests(i) + reserved(i)) x (a if tightest_slo_ms(i) < slo_tpot_ms else 1)
+    a = 1 + (LOOSE_AVERSION - 1) x (1 - share of the feasible replicas that hold tighter ones)
 """
 
 from __future__ import annotations
@@ -95,6 +97,18 @@ def replica_stats(admission: Admission) -> ReplicaStats:
     return ReplicaStats(
         len(reqs), tpot_ms, max(0.0, slope_ms), min(slos, default=math.inf), backlog_s, prompt_s
     )
+
+
+def loose_aversion(holding: int, feasible: int) -> float:
+    """How many times as loaded a loose request counts a feasible replica that holds tighter
+    requests: LOOSE_AVERSION while at most half of the feasible replicas do, falling to 1 (no
+    aversion) as all of them do. Where most replicas hold a tight request, the few that hold
+    none would otherwise take the loose class's prompts until their load doubles and their
+    prompts queue past first-token objectives (64 simulated replicas, stats 0.5 s old);
+    with two replicas the rule is LOOSE_AVERSION's as before (one of two holding is half)."""
+    if feasible <= 0:
+        return 1.0
+    return 1.0 + (LOOSE_AVERSION - 1.0) * min(1.0, 2.0 * (1.0 - holding / feasible))
 
 
 class Router:
@@ -166,14 +180,12 @@ class Router:
         if tight:
             return sorted(feasible, key=lambda i: (tpot[i], load[i], i))
         # Loose: away from replicas that hold tighter requests (whose SLOs a loose stream would
-        # eat into), then the fewest requests.
+        # eat into), then the fewest requests; the aversion shrinks as such replicas become
+        # the rule (`loose_aversion`).
+        held = {i for i in feasible if self.stats[i].tightest_slo_ms < slo_tpot_ms}
+        aversion = loose_aversion(len(held), len(feasible))
         return sorted(
-            feasible,
-            key=lambda i: (
-                load[i] * (LOOSE_AVERSION if self.stats[i].tightest_slo_ms < slo_tpot_ms else 1),
-                tpot[i],
-                i,
-            ),
+            feasible, key=lambda i: (load[i] * (aversion if i in held else 1), tpot[i], i)
         )
 
     def fallback(self) -> int:

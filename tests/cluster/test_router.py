@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from adaserve.cluster.router import ReplicaStats, Router, replica_stats
+from adaserve.cluster.router import ReplicaStats, Router, loose_aversion, replica_stats
 
 
 def router(policy: str, stats: list[ReplicaStats]) -> Router:
@@ -40,6 +40,20 @@ def test_loose_requests_keep_away_from_replicas_that_hold_tight_ones() -> None:
     # But not at any price: a replica holding tighter requests counts double, no more.
     r.refresh([stats[0], ReplicaStats(10, 20.0, 1.0, 400.0)])
     assert r.rank(400.0) == [0, 1]
+
+
+def test_where_most_replicas_hold_tight_requests_the_few_others_are_not_piled_onto() -> None:
+    # Seven of eight replicas hold a 30 ms request among 4; the eighth holds 7 loose ones.
+    # Counted twice as loaded (8 > 7) the seven would send every loose request to the
+    # eighth; with seven of eight holding, the aversion is 1 + 2 x (1/8) = 1.25 (4 x 1.25 = 5).
+    stats = [ReplicaStats(4, 18.0, 0.1, 30.0)] * 7 + [ReplicaStats(7, 18.0, 0.1, 400.0)]
+    r = router("slo", stats)
+    assert loose_aversion(7, 8) == pytest.approx(1.25)
+    assert r.rank(400.0)[0] != 7
+    assert r.rank(400.0)[-1] == 7
+    # With two replicas, one of them holding the tight requests, the aversion is the full 2.
+    assert loose_aversion(1, 2) == 2.0 and loose_aversion(0, 3) == 2.0
+    assert loose_aversion(2, 2) == 1.0 and loose_aversion(0, 0) == 1.0
 
 
 def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
@@ -180,9 +194,11 @@ def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> No
     tight = slo <= 1.5 * min(r.predicted_tpot_ms(i) for i in range(len(stats)))
     if tight:  # the most room first
         keys = [r.predicted_tpot_ms(i) for i in ranked]
-    else:  # the shortest queue, a replica holding tighter requests counted double
+    else:  # the shortest queue, a replica holding tighter requests counted up to double
+        held = [i for i in ranked if stats[i].tightest_slo_ms < slo]
+        aversion = loose_aversion(len(held), len(ranked))
+        assert 1.0 <= aversion <= 2.0
         keys = [
-            (stats[i].num_requests + r.reserved[i]) * (2 if stats[i].tightest_slo_ms < slo else 1)
-            for i in ranked
+            (stats[i].num_requests + r.reserved[i]) * (aversion if i in held else 1) for i in ranked
         ]
     assert keys == sorted(keys)
