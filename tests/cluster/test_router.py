@@ -54,6 +54,9 @@ def test_where_most_replicas_hold_tight_requests_the_few_others_are_not_piled_on
     # With two replicas, one of them holding the tight requests, the aversion is the full 2.
     assert loose_aversion(1, 2) == 2.0 and loose_aversion(0, 3) == 2.0
     assert loose_aversion(2, 2) == 1.0 and loose_aversion(0, 0) == 1.0
+    # Between half and all holding, it falls linearly: 3 of 4 -> 1.5, 9 of 10 -> 1.2.
+    assert loose_aversion(3, 4) == pytest.approx(1.5)
+    assert loose_aversion(9, 10) == pytest.approx(1.2)
 
 
 def test_a_replica_holding_a_tight_request_takes_nothing_that_would_break_it() -> None:
@@ -195,9 +198,11 @@ def test_slo_ranking_is_exactly_the_feasible_replicas(stats, slo, reserve) -> No
     if tight:  # the most room first
         keys = [r.predicted_tpot_ms(i) for i in ranked]
     else:  # the shortest queue, a replica holding tighter requests counted up to double
+        # The documented rule, written out apart from the router's code: 2 while at most
+        # half of the feasible replicas hold a tighter request, then falling to 1 at all.
         held = [i for i in ranked if stats[i].tightest_slo_ms < slo]
-        aversion = loose_aversion(len(held), len(ranked))
-        assert 1.0 <= aversion <= 2.0
+        share = len(held) / len(ranked) if ranked else 0.0
+        aversion = 2.0 if share <= 0.5 else 1.0 + 2.0 * (1.0 - share)
         keys = [
             (stats[i].num_requests + r.reserved[i]) * (aversion if i in held else 1) for i in ranked
         ]
