@@ -187,10 +187,15 @@ def simulate(
                 router.routed(why_at)
             else:
                 refused.append(_refused(b, why.message if why else "no replica"))
+                bar.update(1)
             i += 1
             continue
         assert soonest is not None
         bar.update(_iterate(soonest, setup, stats, on_step))
+        if progress:
+            # Nothing finishes for the first simulated seconds of a large run: the clock shows
+            # that it moves.
+            bar.set_postfix_str(f"{soonest.clock():.1f} s simulated", refresh=False)
         # Held requests are looked at again after every iteration of their replica, as
         # its engine thread does (api/async_engine.py): admitted, refused, or held on.
         still = []
@@ -217,10 +222,12 @@ def simulate(
                 router.routed(k)
             else:
                 refused.append(_refused(b, why.message))
+                bar.update(1)
         held = still
-    bar.close()
     # Held on a replica that went idle and got nothing more to run: no load ended for them.
     refused += [_refused(b, "held until the replay ended") for b, _, _ in held]
+    bar.update(len(held))
+    bar.close()
     stats.wall_s = time.perf_counter() - start
     stats.preemptions = sum(r.sched.num_preemptions for r in reps)
     stats.records = sorted([*(_record(b, r) for b, r in live), *refused], key=lambda r: r.index)

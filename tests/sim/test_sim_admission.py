@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+import tqdm
+
+import adaserve.sim.loop as loop
 from adaserve.bench.report import summarize
 from adaserve.sim.run import simulate
 from tests.sim.test_simulate import LinearCost, bench_requests, setup
@@ -88,3 +92,26 @@ def test_a_request_refused_for_its_first_token_is_served_best_effort_within_the_
         ),
     )
     assert sum(r.error is None for r in two.records) < sum(r.error is None for r in on.records)
+
+
+def test_the_progress_bar_counts_refused_requests_as_done(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The overload of the first test refuses most requests: the bar must still reach every
+    # request (it counted only finished ones and stopped at 43 of 120 here), and it shows the
+    # simulated clock (nothing finishes in a large run's first simulated seconds).
+    seen = []
+
+    class Recorded(tqdm.tqdm):
+        def close(self) -> None:
+            seen.append((self.n, self.total, self.postfix))
+            super().close()
+
+    monkeypatch.setattr(loop, "tqdm", Recorded)
+    reqs = bench_requests(120, 0.01, prompt_words=16, out=64, slo=40.0)
+    run = simulate(
+        reqs, setup("incremental", LinearCost(), max_num_seqs=256, admission="slo"), progress=True
+    )
+    assert any(r.error is not None for r in run.records)
+    assert seen  # (tqdm closes again when collected)
+    n, total, postfix = seen[0]
+    assert n == total == 120
+    assert postfix.endswith("s simulated")
