@@ -347,7 +347,8 @@ class Admission:
         first token is due in `objective_s`: the prompts prefilled before it (earlier TTFT
         deadlines, as `prefill.prefill_order` takes them) and its own, at the slower of the
         speed of prompts alone and the rate the backlog recently drained (`drained`, default
-        `prefill_rate`). None without a cost model."""
+        `prefill_rate`); or, when those tokens fit one forced chunk (`forced_reach_s`), the
+        forward that prefills them, whichever is sooner. None without a cost model."""
         if self.cost is None:
             return None
         running, prefilling, waiting = self.queues()
@@ -363,7 +364,33 @@ class Admission:
         drained = self.prefill_rate if drained is None else drained
         if drained is not None and (running or prefilling or waiting):
             rate = min(rate, drained)
-        return (ahead + n) / rate + self.host_s
+        by_rate = (ahead + n) / rate + self.host_s
+        forced = self.forced_reach_s(ahead + n, running)
+        return by_rate if forced is None else min(by_rate, forced)
+
+    def forced_reach_s(self, tokens: int, running: Sequence[Request]) -> float | None:
+        """Seconds until `tokens` prompt tokens due first are prefilled when one forward can
+        take them all (at most the scheduler's chunk cap: max_prefill_chunk beside streams,
+        max_num_batched_tokens alone), None when they need more: the iteration under way,
+        then one forward of the streams' rows and those tokens. The scheduler forces what a
+        reachable TTFT objective needs whatever the streams' slack (`prefill.forced_chunk`),
+        so such a prompt does not wait on the rate the backlog drained, which is near zero
+        while the streams leave prompts no slack (`prefill_rate`): by that rate, questions of
+        19-144 tokens with 1.3-3.1 s objectives were refused in replays where another
+        server of the same round, which had admitted the same questions, gave them their
+        first tokens in 0.3-1.3 s. A longer backlog keeps the rate: long
+        prompts admitted by what forced chunks could do were overtaken by arrivals due sooner
+        and missed (docs/results.md, "Tried and reverted: the first-token drain rate as
+        tokens over seconds")."""
+        assert self.cost is not None
+        cap = self.cfg.max_prefill_chunk if running else self.cfg.max_num_batched_tokens
+        if tokens <= 0 or tokens > cap:
+            return None
+        rows = len(running)
+        context = sum(r.num_tokens for r in running)
+        under_way = self.iteration_s(rows, context) if rows else 0.0
+        pairs = tokens * (tokens + 1) // 2
+        return under_way + self.iteration_s(rows + tokens, context, tokens, pairs)
 
     def work_s(self, prompt_tokens: int, max_tokens: int | None) -> float | None:
         """Seconds of compute a request needs: its prompt prefilled alone, plus max_tokens

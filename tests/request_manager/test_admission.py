@@ -387,24 +387,32 @@ def test_admitted_streams_are_protected_over_what_they_have_left():
     assert last.refusal(None, max_tokens=64) is None
 
 
-def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_seconds():
-    """Beside streams a prompt's chunks wait until a whole tile fits their paces
-    (prefill.tile_or_wait): 40 iterations of 50 ms carry none of it, then one of 250 ms
-    carries 64 tokens, so the backlog drains 64 tokens every 2.25 s (28 a second). The
-    average of per-iteration rates that `judge` refuses by falls ~0.8^40 between tiles; the
-    best-effort decision, which takes only the time the admitted leave, prices the first
-    token at the rate the backlog really drains (`drain_rate`, over the last 5 s of it; 23.5
-    tokens a second right before a tile): a 100-token prompt behind 936 is 44 s away, within
-    4 x a 12 s objective, not 4 x 9 s; by the average, hours away."""
-    backlog = _prompt(936, due_in_s=60.0)
+def _drained_backlog(backlog: Request) -> Admission:
+    """Four streams (no SLO, 100 tokens each) and a backlog `backlog` whose chunks wait until a
+    whole tile fits the streams' paces (prefill.tile_or_wait): 40 iterations of 50 ms carry
+    none of it, then one of 250 ms carries 64 tokens, six times over."""
+    streams = [_stream(None, 1000, 98) for _ in range(4)]
     now = [NOW]
-    adm = Admission(SchedulerConfig(), LinearCost(), lambda: ([], [backlog], []), lambda: now[0])
+    adm = Admission(
+        SchedulerConfig(), LinearCost(), lambda: (streams, [backlog], []), lambda: now[0]
+    )
     waiting, tile = _decode_iteration(4, 0.05), _decode_iteration(4, 0.25)
     tile.prefill_tokens, tile.prefill_requests = 64, 1
     for _ in range(6):
         for stats in [tile, *[waiting] * 40]:
             adm.observe(stats, 0.0, 4, context=400)
             now[0] += stats.total_s
+    return adm
+
+
+def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_seconds():
+    """The backlog drains 64 tokens every 2.25 s (28 a second). The average of per-iteration
+    rates that `judge` refuses by falls ~0.8^40 between tiles; the best-effort decision, which
+    takes only the time the admitted leave, prices the first token at the rate the backlog
+    really drains (`drain_rate`, over the last 5 s of it; 23.5 tokens a second right before a
+    tile): a 100-token prompt behind 936 is 44 s away, within 4 x a 12 s objective, not 4 x
+    9 s; by the average, hours away."""
+    adm = _drained_backlog(_prompt(936, due_in_s=60.0))
     assert adm.drain_rate is not None and adm.prefill_rate is not None
     drained = 64 / (40 * 0.05 + 0.25)
     assert abs(adm.drain_rate - drained) < 0.2 * drained, adm.drain_rate
@@ -416,19 +424,41 @@ def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_se
     assert adm.best_effort_refusal(None, 100, 12_000.0) is None
     why = adm.best_effort_refusal(None, 100, 9_000.0)
     assert why is not None and "limit 36.0" in why, why
-    # `judge` still refuses by the average (low exactly while the streams leave prompts no
-    # time), but its 429 names no first token hours away: the seconds at the real rate when
-    # those are past the objective too (4.3 s against 0.85 x 3 s), else why it is refused.
-    why_429 = adm.judge(None, 100, 3_000.0)
+    # `judge` still refuses a prompt longer than one forced chunk (300 tokens, the backlog due
+    # after it) by the average, but its 429 names no first token hours away: the seconds at
+    # the real rate when those are past the objective too (~12 s against 3 s), else why it is
+    # refused.
+    why_429 = adm.judge(None, 300, 3_000.0)
     assert why_429 is not None and why_429.first_token
     assert why_429.message.startswith(
-        f"the first token would come after about {100 / adm.drain_rate:.1f} s"
+        f"the first token would come after about {300 / adm.drain_rate:.1f} s"
     ), why_429.message
-    why_429 = adm.judge(None, 100, 12_000.0)
+    why_429 = adm.judge(None, 300, 15_000.0)
     assert why_429 is not None and why_429.message.startswith(
         "the first token would not come within this request's time-to-first-token objective "
-        "of 12.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
+        "of 15.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
     ), why_429.message
+
+
+def test_a_prompt_one_forced_chunk_prefills_is_priced_by_that_chunk_not_the_drain():
+    """Beside the streams of the test above, with the rate averaged near zero between tiles:
+    a 100-token question due in 2 s that nothing due sooner stands before is prefilled by the
+    chunk its objective forces (prefill.forced_chunk), whatever the streams' slack: the
+    iteration under way (4 rows, 24 ms) and one forward of 4 rows and its 100 tokens (124
+    ms), so it is admitted. Past one chunk (max_prefill_chunk, 256, beside streams) the
+    drain decides as before: 300 tokens, or the 100 behind a 936-token backlog due sooner."""
+    adm = _drained_backlog(_prompt(936, due_in_s=60.0))
+    assert adm.predicted_ttft_s(100, 2.0) == pytest.approx(0.024 + 0.124)
+    assert adm.judge(None, 100, 2_000.0) is None
+    # The chunk is the newcomer's and every prompt's due before it: 156 + 100 fit one.
+    early = _drained_backlog(_prompt(156, due_in_s=1.0))
+    assert early.predicted_ttft_s(100, 2.0) == pytest.approx(0.024 + 0.280)
+    assert early.judge(None, 100, 2_000.0) is None
+    longer = adm.judge(None, 300, 2_000.0)
+    assert longer is not None and longer.first_token, "300 tokens: past one chunk"
+    behind = _drained_backlog(_prompt(936, due_in_s=1.0))
+    why = behind.judge(None, 100, 2_000.0)
+    assert why is not None and why.first_token, "behind 936 tokens due sooner: the drain"
 
 
 class KeyCost(LinearCost):
