@@ -110,6 +110,12 @@ def batch_over_time(
     return segments
 
 
+# The most forced chunks a first token is priced by (`Admission.forced_reach_s`); a longer
+# backlog is priced by the drain (arrivals due sooner overtake it). Two, measured against one
+# in paired replays (docs/results.md, "First tokens priced by the forced chunk").
+FORCED_REACH_CHUNKS = 2
+
+
 @dataclass(frozen=True)
 class Refusal:
     """Why a request is refused now; `first_token`: its first token's objective refused it
@@ -347,8 +353,8 @@ class Admission:
         first token is due in `objective_s`: the prompts prefilled before it (earlier TTFT
         deadlines, as `prefill.prefill_order` takes them) and its own, at the slower of the
         speed of prompts alone and the rate the backlog recently drained (`drained`, default
-        `prefill_rate`); or, when those tokens fit one forced chunk (`forced_reach_s`), the
-        forward that prefills them, whichever is sooner. None without a cost model."""
+        `prefill_rate`); or, when a forced chunk or two take those tokens (`forced_reach_s`),
+        the forwards that prefill them, whichever is sooner. None without a cost model."""
         if self.cost is None:
             return None
         running, prefilling, waiting = self.queues()
@@ -369,28 +375,34 @@ class Admission:
         return by_rate if forced is None else min(by_rate, forced)
 
     def forced_reach_s(self, tokens: int, running: Sequence[Request]) -> float | None:
-        """Seconds until `tokens` prompt tokens due first are prefilled when one forward can
-        take them all (at most the scheduler's chunk cap: max_prefill_chunk beside streams,
-        max_num_batched_tokens alone), None when they need more: the iteration under way,
-        then one forward of the streams' rows and those tokens. The scheduler forces what a
-        reachable TTFT objective needs whatever the streams' slack (`prefill.forced_chunk`),
-        so such a prompt does not wait on the rate the backlog drained, which is near zero
-        while the streams leave prompts no slack (`prefill_rate`): by that rate, questions of
-        19-144 tokens with 1.3-3.1 s objectives were refused in replays where another
-        server of the same round, which had admitted the same questions, gave them their
-        first tokens in 0.3-1.3 s. A longer backlog keeps the rate: long
-        prompts admitted by what forced chunks could do were overtaken by arrivals due sooner
-        and missed (docs/results.md, "Tried and reverted: the first-token drain rate as
-        tokens over seconds")."""
+        """Seconds until `tokens` prompt tokens due first are prefilled when at most
+        FORCED_REACH_CHUNKS forwards take them (chunks of the scheduler's cap:
+        max_prefill_chunk beside streams, max_num_batched_tokens alone), None when they need
+        more: the iteration under way, then those forwards, each of the streams' rows and a
+        chunk. The scheduler forces what a reachable TTFT objective needs whatever the
+        streams' slack (`prefill.forced_chunk`), so such a prompt does not wait on the rate
+        the backlog drained, which is near zero while the streams leave prompts no slack
+        (`prefill_rate`): by that rate, questions of 19-144 tokens with 1.3-3.1 s objectives
+        were refused in replays where another server of the same round, which had admitted
+        the same questions, gave them their first tokens in 0.3-1.3 s. A longer backlog
+        keeps the rate: long prompts admitted by what forced chunks could do were overtaken
+        by arrivals due sooner and missed (docs/results.md, "Tried and reverted: the
+        first-token drain rate as tokens over seconds")."""
         assert self.cost is not None
         cap = self.cfg.max_prefill_chunk if running else self.cfg.max_num_batched_tokens
-        if tokens <= 0 or tokens > cap:
+        chunks = -(-tokens // cap)
+        if tokens <= 0 or chunks > FORCED_REACH_CHUNKS:
             return None
         rows = len(running)
         context = sum(r.num_tokens for r in running)
-        under_way = self.iteration_s(rows, context) if rows else 0.0
-        pairs = tokens * (tokens + 1) // 2
-        return under_way + self.iteration_s(rows + tokens, context, tokens, pairs)
+        seconds = self.iteration_s(rows, context) if rows else 0.0  # the iteration under way
+        done = 0
+        for _ in range(chunks):
+            c = min(cap, tokens - done)
+            pairs = c * done + c * (c + 1) // 2
+            seconds += self.iteration_s(rows + c, context + done, c, pairs)
+            done += c
+        return seconds
 
     def work_s(self, prompt_tokens: int, max_tokens: int | None) -> float | None:
         """Seconds of compute a request needs: its prompt prefilled alone, plus max_tokens

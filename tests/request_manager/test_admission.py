@@ -424,38 +424,42 @@ def test_best_effort_prices_a_backlog_drained_a_tile_at_a_time_by_tokens_over_se
     assert adm.best_effort_refusal(None, 100, 12_000.0) is None
     why = adm.best_effort_refusal(None, 100, 9_000.0)
     assert why is not None and "limit 36.0" in why, why
-    # `judge` still refuses a prompt longer than one forced chunk (300 tokens, the backlog due
-    # after it) by the average, but its 429 names no first token hours away: the seconds at
-    # the real rate when those are past the objective too (~12 s against 3 s), else why it is
-    # refused.
-    why_429 = adm.judge(None, 300, 3_000.0)
+    # `judge` still refuses a prompt longer than two forced chunks (600 tokens, the backlog
+    # due after it) by the average, but its 429 names no first token hours away: the seconds
+    # at the real rate when those are past the objective too (~25 s against 3 s), else why
+    # it is refused.
+    why_429 = adm.judge(None, 600, 3_000.0)
     assert why_429 is not None and why_429.first_token
     assert why_429.message.startswith(
-        f"the first token would come after about {300 / adm.drain_rate:.1f} s"
+        f"the first token would come after about {600 / adm.drain_rate:.1f} s"
     ), why_429.message
-    why_429 = adm.judge(None, 300, 15_000.0)
+    why_429 = adm.judge(None, 600, 30_000.0)
     assert why_429 is not None and why_429.message.startswith(
         "the first token would not come within this request's time-to-first-token objective "
-        "of 15.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
+        "of 30.0 s (slo_ttft_ms): the requests being served have left prompts almost no time"
     ), why_429.message
 
 
-def test_a_prompt_one_forced_chunk_prefills_is_priced_by_that_chunk_not_the_drain():
+def test_a_prompt_the_forced_chunks_prefill_is_priced_by_those_chunks_not_the_drain():
     """Beside the streams of the test above, with the rate averaged near zero between tiles:
     a 100-token question due in 2 s that nothing due sooner stands before is prefilled by the
     chunk its objective forces (prefill.forced_chunk), whatever the streams' slack: the
     iteration under way (4 rows, 24 ms) and one forward of 4 rows and its 100 tokens (124
-    ms), so it is admitted. Past one chunk (max_prefill_chunk, 256, beside streams) the
-    drain decides as before: 300 tokens, or the 100 behind a 936-token backlog due sooner."""
+    ms), so it is admitted. Up to two chunks (max_prefill_chunk, 256, beside streams) are
+    priced so; past them the drain decides as before: 600 tokens, or the 100 behind a
+    936-token backlog due sooner."""
     adm = _drained_backlog(_prompt(936, due_in_s=60.0))
     assert adm.predicted_ttft_s(100, 2.0) == pytest.approx(0.024 + 0.124)
     assert adm.judge(None, 100, 2_000.0) is None
-    # The chunk is the newcomer's and every prompt's due before it: 156 + 100 fit one.
+    # The chunks are the newcomer's and every prompt's due before it: 156 + 100 fit one.
     early = _drained_backlog(_prompt(156, due_in_s=1.0))
     assert early.predicted_ttft_s(100, 2.0) == pytest.approx(0.024 + 0.280)
     assert early.judge(None, 100, 2_000.0) is None
-    longer = adm.judge(None, 300, 2_000.0)
-    assert longer is not None and longer.first_token, "300 tokens: past one chunk"
+    # 300 tokens: a chunk of 256, then 44.
+    assert adm.predicted_ttft_s(300, 2.0) == pytest.approx(0.024 + 0.280 + 0.068)
+    assert adm.judge(None, 300, 2_000.0) is None
+    longer = adm.judge(None, 600, 2_000.0)
+    assert longer is not None and longer.first_token, "600 tokens: past two chunks"
     behind = _drained_backlog(_prompt(936, due_in_s=1.0))
     why = behind.judge(None, 100, 2_000.0)
     assert why is not None and why.first_token, "behind 936 tokens due sooner: the drain"
