@@ -232,7 +232,9 @@ class SchedulerConfig:
     # Waiting-queue bound; the server answers 429 beyond it. None: unbounded.
     max_waiting: int | None = None
     # Suffix drafter: longest n-gram matched, shortest match used, occurrences per tree,
-    # weight of a global-cache occurrence against a request-local one, additive smoothing,
+    # weight of a global-cache occurrence against a request-local one, additive smoothing
+    # (suffix_alpha_match_len L > 0: suffix_alpha x L / m after a match of m tokens, so the
+    # draft's probability says how long the match was; 0: suffix_alpha at every length),
     # and the global cache of finished outputs in tokens (0: request-local only).
     # suffix_max_depth: its trees' depth bound. A lookup costs no draft step per level, so
     # its trees may grow deeper than max_depth (which bounds a draft model's steps), up to
@@ -243,6 +245,7 @@ class SchedulerConfig:
     suffix_max_matches: int = 32
     suffix_global_weight: float = 0.5
     suffix_alpha: float = 1.0
+    suffix_alpha_match_len: int = 0
     suffix_cache_tokens: int = 65536
     # Speculation control (policy adaserve): calibration bins and prior, forgetting of the
     # calibration and of the online cost model, and how long drafting stays off after it

@@ -78,8 +78,11 @@ def tree_paths(tree: CandidateTree) -> dict[tuple[int, ...], float]:
     return out
 
 
-def reference_paths(context, local_tokens, model, depth, min_match, max_matches, gw, alpha):
-    """The tree rule by brute force, with no node limit: path -> W(path) / (W(parent) + alpha)."""
+def reference_paths(
+    context, local_tokens, model, depth, min_match, max_matches, gw, alpha, alpha_match_len=0
+):
+    """The tree rule by brute force, with no node limit: path -> W(path) / (W(parent) + a), a
+    = alpha, or alpha x alpha_match_len / m after a match of m tokens."""
     m_l, ends_l = brute_local(local_tokens, context, min_match, 8) if local_tokens else (0, [])
     m_g, ends_g = brute_global(model.mru(), context, min_match, 8) if model else (0, [])
     m = max(m_l, m_g)
@@ -92,7 +95,8 @@ def reference_paths(context, local_tokens, model, depth, min_match, max_matches,
         return sum(w for w, c in conts if len(c) >= len(path) and tuple(c[: len(path)]) == path)
 
     prefixes = {tuple(c[:k]) for _, c in conts for k in range(1, len(c) + 1)}
-    return {path: weight(path) / (weight(path[:-1]) + alpha) for path in prefixes}
+    a = alpha * alpha_match_len / m if alpha_match_len and m else alpha
+    return {path: weight(path) / (weight(path[:-1]) + a) for path in prefixes}
 
 
 @FAST
@@ -194,16 +198,24 @@ def test_tree_counts_are_brute_force_continuation_counts(tokens, depth, min_matc
     st.integers(1, 6),
     st.sampled_from([0.25, 0.5, 1.0]),
     st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+    st.sampled_from([0, 1, 2]),
 )
-def test_tree_is_the_top_of_the_rule(tokens, docs, depth, max_nodes, min_match, mm, gw, alpha):
+def test_tree_is_the_top_of_the_rule(
+    tokens, docs, depth, max_nodes, min_match, mm, gw, alpha, alpha_match_len
+):
     index, cache, model = TokenIndex(), GlobalSuffixCache(60), LruModel(60)
     index.extend(tokens)
     for doc in docs:
         cache.add(doc)
         model.add(doc)
     root = tokens[-1] if tokens else 0
-    kw = dict(min_match=min_match, max_matches=mm, global_weight=gw, alpha=alpha)
-    want = reference_paths(tokens, tokens, model, depth, min_match, mm, gw, alpha)
+    kw = dict(
+        min_match=min_match, max_matches=mm, global_weight=gw, alpha=alpha,
+        alpha_match_len=alpha_match_len,
+    )  # fmt: skip
+    want = reference_paths(
+        tokens, tokens, model, depth, min_match, mm, gw, alpha, alpha_match_len
+    )
     full = build_suffix_tree(root, tokens, index, cache, depth, 10_000, **kw)
     got = tree_paths(full)
     assert got.keys() == want.keys(), f"tree paths {sorted(got)} != rule's {sorted(want)}"
@@ -255,6 +267,21 @@ def test_hand_written_example() -> None:
     # alpha = 0: (4,) and (4, 1) both have f = 1/2; the shallower (5,) goes first.
     two = build_suffix_tree(3, context, index, None, depth=6, max_nodes=2, alpha=0.0)
     assert set(tree_paths(two)) == {(4,), (5,)}, f"ties go to the shallower: {tree_paths(two)}"
+
+
+def test_a_longer_match_is_smoothed_less() -> None:
+    # One earlier occurrence of each suffix; alpha = 1 applies as given at a 2-token match.
+    kw = dict(depth=1, max_nodes=4, min_match=1, alpha=1.0, alpha_match_len=2)
+    got = {}
+    for context in ([7, 4, 9, 4], [7, 8, 4, 9, 8, 4], [7, 6, 8, 4, 9, 6, 8, 4]):
+        index = TokenIndex()
+        index.extend(context)
+        m, _ = index.longest_match(context, 1)
+        tree = build_suffix_tree(context[-1], context, index, None, **kw)
+        assert tree.tokens[1:] == [9], f"after {context} the drafter proposed {tree.tokens[1:]}"
+        got[m] = math.exp(tree.logprobs[1])
+    # 1 / (1 + 2/m): a third after one token, a half after two (as alpha = 1 alone), 3/5 after 3
+    assert got == pytest.approx({1: 1 / 3, 2: 1 / 2, 3: 3 / 5}), f"q by match length: {got}"
 
 
 def test_local_and_global_tie_and_touch() -> None:

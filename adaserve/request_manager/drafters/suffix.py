@@ -65,6 +65,7 @@ class SuffixDrafter(Drafter):
                     max_matches=cfg.suffix_max_matches,
                     global_weight=cfg.suffix_global_weight,
                     alpha=cfg.suffix_alpha,
+                    alpha_match_len=cfg.suffix_alpha_match_len,
                 )
             )
         return trees

@@ -13,8 +13,10 @@ Tree rule (`build_suffix_tree`):
     trie     = the continuations tokens[p : p + depth] of every occurrence in O
     W(v)     = sum of the weights of the occurrences whose continuation passes through v
                (W(root) = sum over O: every occurrence has >= 1 continuation token)
-    P(v | parent(v)) = W(v) / (W(parent(v)) + alpha)      additive smoothing: one occurrence
-               at alpha = 1 gives 1/2; occurrences ending early keep sum_children P < 1
+    P(v | parent(v)) = W(v) / (W(parent(v)) + a)          additive smoothing: one occurrence
+               at a = 1 gives 1/2; occurrences ending early keep sum_children P < 1;
+               a = alpha, or alpha x alpha_match_len / m when alpha_match_len > 0 (smoothing
+               that shrinks as the match grows: a longer match is stronger evidence)
     f(v)     = prod of P along root..v; keep the max_nodes nodes of largest f(v)
                (ties: shallower, then larger W, then from the more recent occurrence). f never
                grows along a path, and a child ties its parent only at a greater depth, so the
@@ -242,6 +244,7 @@ def build_suffix_tree(
     max_matches: int = 32,
     global_weight: float = 0.5,
     alpha: float = 1.0,
+    alpha_match_len: int = 0,
 ) -> CandidateTree:
     """Candidate tree of what followed earlier occurrences of the context's suffix.
 
@@ -299,13 +302,15 @@ def build_suffix_tree(
             weight[child] += w
             node = child
 
+    smoothing = alpha * alpha_match_len / m if alpha_match_len > 0 else alpha
+
     # Best-first from the root: the heap pops nodes in descending f (ties: shallower, larger
     # W), which is the global top-max_nodes order since f never grows from parent to child.
     # (-log f, depth, -W, trie node, parent's tree node, logprob)
     heap: list[tuple[float, int, float, int, int, float]] = []
 
     def push_children(trie_node: int, tree_node: int, path_logprob: float, d: int) -> None:
-        denom = weight[trie_node] + alpha
+        denom = weight[trie_node] + smoothing
         for child in kids[trie_node].values():
             logprob = math.log(min(1.0, weight[child] / denom))
             item = (-(path_logprob + logprob), d + 1, -weight[child], child, tree_node, logprob)
