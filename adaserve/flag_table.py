@@ -203,7 +203,10 @@ FIELD_HELP: dict[str, str] = {
     "suffix_max_matches": "occurrences the suffix drafter reads per tree",
     "suffix_global_weight": "weight of a global-cache occurrence against a request-local one",
     "suffix_alpha": "additive smoothing of the suffix drafter's probabilities",
-    "suffix_alpha_match_len": "the match length at which suffix_alpha applies as given; a match of m tokens smooths by suffix_alpha x this / m (0: the same smoothing at every match length)",
+    "suffix_alpha_match_len": (
+        "the match length at which suffix_alpha applies as given; a match of m tokens is "
+        "smoothed by suffix_alpha x this / m (0: suffix_alpha at every length)"
+    ),
     "suffix_cache_tokens": "global cache of finished outputs in tokens (0: request-local only)",
     "calibration_buckets": "bins of the acceptance calibration",
     "calibration_prior_strength": "weight of the calibration's prior",

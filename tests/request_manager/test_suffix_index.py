@@ -213,9 +213,7 @@ def test_tree_is_the_top_of_the_rule(
         min_match=min_match, max_matches=mm, global_weight=gw, alpha=alpha,
         alpha_match_len=alpha_match_len,
     )  # fmt: skip
-    want = reference_paths(
-        tokens, tokens, model, depth, min_match, mm, gw, alpha, alpha_match_len
-    )
+    want = reference_paths(tokens, tokens, model, depth, min_match, mm, gw, alpha, alpha_match_len)
     full = build_suffix_tree(root, tokens, index, cache, depth, 10_000, **kw)
     got = tree_paths(full)
     assert got.keys() == want.keys(), f"tree paths {sorted(got)} != rule's {sorted(want)}"
