@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from adaserve.bench.report import RequestRecord
+from adaserve.bench.trace import BenchRequest
 from adaserve.bench.workload import (
     add_workload_arguments,
     append_jsonl,
@@ -196,6 +198,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="with --find-rate: stop when the highest rate that met the target and the lowest "
         "that missed it are within this fraction of each other",
     )
+    p.add_argument(
+        "--ceiling",
+        type=float,
+        default=None,
+        metavar="ATTAINMENT",
+        help="capacity planning: the rate no router can sustain at ATTAINMENT on --replicas "
+        "replicas. One replica serves the cheapest ATTAINMENT share of the trace's requests "
+        "(fewest prompt plus output tokens), SLOs dropped and every request queued, offered at "
+        "the highest --rps (it must keep the replica backlogged); the requests it completes a "
+        "second while backlogged, x replicas / ATTAINMENT, is the ceiling. A second line keeps "
+        "the SLOs (what a replica given the whole mix completes while pacing it)",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
 
@@ -276,6 +290,8 @@ def run(a: argparse.Namespace) -> int:
         results.append(result)
         return result
 
+    if a.ceiling is not None:
+        return _ceilings(a, trace, setups)
     if a.find_rate is not None:
         return _capacity(a, policies, routers, point)
     for rps in a.rps or [None]:
@@ -373,6 +389,98 @@ def format_capacity(target: float, replicas: int, rows) -> str:
         probes = ", ".join(f"{r:g}: {100 * att:.1f}%" for r, att in sorted(f.probes))
         lines.append(f"| {policy} | {router} | {replicas} | {met} | {missed} | {probes} |")
     return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """One replica kept backlogged: `rate` the requests it completed a second from `start_s`
+    to `end_s` (the last arrival), a stretch during which a request always waited behind a
+    full batch; None when no such stretch covers a quarter of the arrivals (offer more)."""
+
+    rate: float | None
+    start_s: float | None
+    end_s: float
+    served: int  # requests offered (the cheapest share)
+
+
+def cheapest_share(
+    reqs: Sequence[BenchRequest], share: float, keep_slos: bool = False
+) -> list[BenchRequest]:
+    """The `share` of `reqs` with the fewest prompt plus output tokens, in arrival order, the
+    least work that share of the requests can be; their SLOs dropped unless `keep_slos`."""
+    if not 0 < share <= 1:
+        raise ValueError(f"the attainment is a fraction in (0, 1], got {share}")
+
+    def work(b: BenchRequest) -> int:
+        return max(1, b.trace.input_length or len(b.trace.prompt.split())) + b.max_tokens
+
+    keep = max(1, math.ceil(share * len(reqs)))
+    chosen = set(sorted(range(len(reqs)), key=lambda i: (work(reqs[i]), i))[:keep])
+    return [
+        b if keep_slos else replace(b, slo_tpot_ms=None) for i, b in enumerate(reqs) if i in chosen
+    ]
+
+
+def saturation(records: Sequence[RequestRecord], batch: int, served: int) -> Saturation:
+    """The completion rate of a replica over the stretch before the last arrival during which
+    more than `batch` requests were in it throughout (sent and not finished: a full batch
+    and a queue), from its first completion; None when that is under a quarter of the
+    arrivals' span."""
+    sent = sorted(r.sent_s for r in records if r.sent_s is not None)
+    ends = sorted(r.end_s for r in records if r.completed and r.end_s is not None)
+    first, last = sent[0], sent[-1]
+    # At equal times an arrival first: a request that arrives as another ends kept the queue.
+    events = sorted([(t, 1) for t in sent] + [(t, -1) for t in ends], key=lambda e: (e[0], -e[1]))
+    held, start = 0, None
+    for t, d in events:
+        if t >= last:
+            break
+        held += d
+        if held <= batch:
+            start = None  # the queue ran dry: what completed was what arrived
+        elif start is None:
+            start = t
+    if start is not None:
+        # From the first completion on: before it the batch was still filling, not finishing.
+        start = next((t for t in ends if t > start), None)
+    if start is None or last - start < (last - first) / 4:
+        return Saturation(None, None, last, served)
+    done = sum(start < t <= last for t in ends)
+    return Saturation(done / (last - start), start, last, served)
+
+
+def _ceilings(a: argparse.Namespace, trace, setups: dict[str, SimSetup]) -> int:
+    if not a.rps:
+        raise ValueError("--ceiling needs --rps: a rate that keeps one replica backlogged")
+    rps = max(a.rps)
+    offered = prepare_point(a, trace, rps)
+    lines = [
+        f"| policy | SLOs | requests (the cheapest {100 * a.ceiling:g}%) | offered rps | "
+        "completed a second, backlogged (window s) | "
+        f"rate at {100 * a.ceiling:g}% on {a.replicas} replica(s) |",
+        "|---|---|---|---|---|---|",
+    ]
+    # SLOs dropped: the most any router gets from these replicas. Kept: what one replica
+    # completes while keeping the mix's paces (a router that sorts the classes apart could
+    # do better than a replica given all of them, so not a bound).
+    for policy, setup in setups.items():
+        one = replace(setup, admission="queue", replicas=1)
+        for keep in (False, True):
+            reqs = cheapest_share(offered, a.ceiling, keep_slos=keep)
+            desc = f"{policy} ceiling ({'SLOs kept' if keep else 'no SLOs'}) @ {rps}"
+            sim = simulate(reqs, one, progress=not a.no_progress, desc=desc)
+            sat = saturation(sim.records, setup.sched.max_num_seqs, len(reqs))
+            if sat.rate is None:
+                got, cap = f"not backlogged long enough: offer more than {rps:g} rps", "-"
+            else:
+                assert sat.start_s is not None
+                got = f"{sat.rate:.3g} ({sat.start_s:.0f}-{sat.end_s:.0f})"
+                cap = f"{a.replicas * sat.rate / a.ceiling:.4g} rps"
+                cap = cap if keep else f"**{cap}** (ceiling)"
+            slos = "kept" if keep else "dropped"
+            lines.append(f"| {policy} | {slos} | {sat.served} | {rps:g} | {got} | {cap} |")
+    print("\n".join(lines))
+    return 0
 
 
 def _result(a, trace, reqs, rps, label, sim: SimRun, setup: SimSetup) -> dict:
