@@ -199,7 +199,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "that missed it are within this fraction of each other",
     )
     p.add_argument(
-        "--ceiling",
+        "--rate-ceiling",
         type=float,
         default=None,
         metavar="ATTAINMENT",
@@ -290,8 +290,8 @@ def run(a: argparse.Namespace) -> int:
         results.append(result)
         return result
 
-    if a.ceiling is not None:
-        return _ceilings(a, trace, setups)
+    if a.rate_ceiling is not None:
+        return _rate_ceilings(a, trace, setups)
     if a.find_rate is not None:
         return _capacity(a, policies, routers, point)
     for rps in a.rps or [None]:
@@ -449,15 +449,15 @@ def saturation(records: Sequence[RequestRecord], batch: int, served: int) -> Sat
     return Saturation(done / (last - start), start, last, served)
 
 
-def _ceilings(a: argparse.Namespace, trace, setups: dict[str, SimSetup]) -> int:
+def _rate_ceilings(a: argparse.Namespace, trace, setups: dict[str, SimSetup]) -> int:
     if not a.rps:
-        raise ValueError("--ceiling needs --rps: a rate that keeps one replica backlogged")
+        raise ValueError("--rate-ceiling needs --rps: a rate that keeps one replica backlogged")
     rps = max(a.rps)
     offered = prepare_point(a, trace, rps)
     lines = [
-        f"| policy | SLOs | requests (the cheapest {100 * a.ceiling:g}%) | offered rps | "
+        f"| policy | SLOs | requests (the cheapest {100 * a.rate_ceiling:g}%) | offered rps | "
         "completed a second, backlogged (window s) | "
-        f"rate at {100 * a.ceiling:g}% on {a.replicas} replica(s) |",
+        f"rate at {100 * a.rate_ceiling:g}% on {a.replicas} replica(s) |",
         "|---|---|---|---|---|---|",
     ]
     # SLOs dropped: the most any router gets from these replicas. Kept: what one replica
@@ -466,7 +466,7 @@ def _ceilings(a: argparse.Namespace, trace, setups: dict[str, SimSetup]) -> int:
     for policy, setup in setups.items():
         one = replace(setup, admission="queue", replicas=1)
         for keep in (False, True):
-            reqs = cheapest_share(offered, a.ceiling, keep_slos=keep)
+            reqs = cheapest_share(offered, a.rate_ceiling, keep_slos=keep)
             desc = f"{policy} ceiling ({'SLOs kept' if keep else 'no SLOs'}) @ {rps}"
             sim = simulate(reqs, one, progress=not a.no_progress, desc=desc)
             sat = saturation(sim.records, setup.sched.max_num_seqs, len(reqs))
@@ -475,7 +475,7 @@ def _ceilings(a: argparse.Namespace, trace, setups: dict[str, SimSetup]) -> int:
             else:
                 assert sat.start_s is not None
                 got = f"{sat.rate:.3g} ({sat.start_s:.0f}-{sat.end_s:.0f})"
-                cap = f"{a.replicas * sat.rate / a.ceiling:.4g} rps"
+                cap = f"{a.replicas * sat.rate / a.rate_ceiling:.4g} rps"
                 cap = cap if keep else f"**{cap}** (ceiling)"
             slos = "kept" if keep else "dropped"
             lines.append(f"| {policy} | {slos} | {sat.served} | {rps:g} | {got} | {cap} |")

@@ -1,4 +1,4 @@
-"""`adaserve simulate --ceiling A`: the rate no router can sustain at attainment A."""
+"""`adaserve simulate --rate-ceiling A`: the rate no router can sustain at attainment A."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def test_simulate_ceiling_reports_the_rate_a_backlogged_replica_completes(
     Profile("cpu", "m", "d", target, (), 16, 1.5, 256, 20.5).save(tmp_path / "p.json")
     argv = ["simulate", "--trace", str(tmp_path / "t.json"), "--policy", "incremental"]
     argv += ["--cost-model", str(tmp_path / "p.json"), "--replicas", "4", "--max-num-seqs", "8"]
-    argv += ["--rps", "40", "--ceiling", "0.95", "--no-progress"]
+    argv += ["--rps", "40", "--rate-ceiling", "0.95", "--no-progress"]
     assert main(argv) == 0
     table = capsys.readouterr().out
     rows = re.findall(
@@ -99,5 +99,5 @@ def test_simulate_ceiling_reports_the_rate_a_backlogged_replica_completes(
             4 * float(rate) / 0.95, rel=2e-3
         )
     # Offered too little to queue: said so, no rate.
-    assert main([*argv[:-5], "--rps", "1", "--ceiling", "0.95", "--no-progress"]) == 0
+    assert main([*argv[:-5], "--rps", "1", "--rate-ceiling", "0.95", "--no-progress"]) == 0
     assert "not backlogged long enough: offer more than 1 rps" in capsys.readouterr().out
