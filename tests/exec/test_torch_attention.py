@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from adaserve.exec.attention.base import AttentionMetadata
-from adaserve.exec.attention.torch_ref import SHARED_QUERY_MAX, TorchAttentionBackend
+from adaserve.exec.attention.torch_ref import (
+    SHARED_QUERY_MAX,
+    TorchAttentionBackend,
+    kv_groups,
+)
 from adaserve.exec.kv_cache import KVCache
 
 HQ, HKV, D, BLOCK = 6, 2, 16, 8
@@ -47,13 +51,21 @@ def naive(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor)
         ([SHARED_QUERY_MAX + 1, 64], [SHARED_QUERY_MAX + 1, 100], [False, False]),
         # short only: one shared group
         ([1, 5, SHARED_QUERY_MAX], [12, 30, 70], [False, True, False]),
+        # one decode row with many keys and 15 padding rows of one key: two groups by keys
+        ([1] * 16, [400] + [1] * 15, [False] * 16),
+        # short rows in two groups by keys (a tree among the few-key ones), and a chunk
+        (
+            [1, 1, 6, 1, 1, 1, 1, 1, 1, 1, 1, SHARED_QUERY_MAX + 3],
+            [420, 200, 30, 5, 9, 12, 20, 25, 28, 7, 3, 80],
+            [False, False, True] + [False] * 9,
+        ),
     ],
 )
 def test_each_sequence_attends_as_if_alone(q_lens, kv_lens, trees) -> None:
     torch.manual_seed(0)
     rng = random.Random(1)
-    cache = KVCache(1, 64, BLOCK, HKV, D, torch.float32, "cpu")
-    blocks = list(range(64))
+    cache = KVCache(1, 160, BLOCK, HKV, D, torch.float32, "cpu")
+    blocks = list(range(160))
     rng.shuffle(blocks)
     tables, masks, old = [], [], []
     for q_len, kv_len, tree in zip(q_lens, kv_lens, trees):
@@ -86,3 +98,16 @@ def test_each_sequence_attends_as_if_alone(q_lens, kv_lens, trees) -> None:
         slots = cache.slots(tables[s], kv_len - q_len, kv_len)
         assert torch.equal(cache.k[0][slots], k[start:end])
         start = end
+
+
+def test_rows_with_few_keys_are_not_padded_to_a_long_rows_keys() -> None:
+    # One decode row at 950 keys and 15 one-key padding rows: the padding attends apart.
+    assert kv_groups(list(range(16)), [950] + [1] * 15) == [[0], list(range(1, 16))]
+    # Decode rows of similar contexts, or too few short ones to pay for a group: one group.
+    assert kv_groups([0, 1, 2, 3], [900, 850, 300, 120]) == [[0, 1, 2, 3]]
+    assert kv_groups([0, 1], [950, 1]) == [[0, 1]]  # 949 keys saved: under KV_SPLIT_MIN_SLOTS
+    # Three scales of keys, each group in the batch's order; only the listed sequences.
+    kv = [4000, 30, 900, 3500, 20, 850, 10, 25, 5]
+    assert kv_groups([0, 1, 2, 3, 4, 5, 6, 7, 8], kv) == [[0, 3], [2, 5], [1, 4, 6, 7, 8]]
+    assert kv_groups([2, 5, 6], kv) == [[2, 5, 6]]
+    assert kv_groups([], kv) == []

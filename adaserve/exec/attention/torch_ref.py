@@ -5,7 +5,9 @@ Padding a decode row (1 query) or a tree (a few) to a prompt chunk's length woul
 row pay the chunk's attention: 3 decode rows beside a 256-token chunk at 900 keys cost as much
 attention as 4 chunks (measured on the default model: 4.3 ms per prompt token in such an
 iteration against 2.5 in a prefill alone). So a sequence whose query is longer than
-`SHARED_QUERY_MAX` attends in its own group; the short ones share one.
+`SHARED_QUERY_MAX` attends in its own group; the short ones share one, or a few by their
+keys (`kv_groups`): a row with few keys padded to a long row's keys gathers and attends them
+all.
 """
 
 from __future__ import annotations
@@ -21,6 +23,14 @@ from adaserve.exec.kv_cache import KVCache
 # Longest query that shares a padded SDPA call with others (decode rows and token trees); a
 # longer one (a prompt chunk) runs alone.
 SHARED_QUERY_MAX = 32
+# Short sequences whose keys number under 1 / KV_SPLIT_RATIO of the longest's attend in a group
+# of their own when that gathers at least KV_SPLIT_MIN_SLOTS fewer keys: one decode row at 950
+# keys padded by 15 one-token padding rows (`TorchRunner.forward(pad_to=16)`) cost 165-249 ms
+# a forward in one group, each padding row gathering and attending all 950 keys, against ~50
+# for the row alone (docs/results.md, twenty-second session). A group costs an SDPA call a
+# layer, so rows of similar contexts stay together.
+KV_SPLIT_RATIO = 4
+KV_SPLIT_MIN_SLOTS = 2048
 
 
 @dataclass
@@ -33,6 +43,28 @@ class _Group:
     cols: torch.Tensor  # [t] padded query column of each
     tokens: torch.Tensor  # [t] their index in the flat batch
     shape: tuple[int, int]  # (n, max_q)
+
+
+def kv_groups(seqs: list[int], kv_lens: list[int]) -> list[list[int]]:
+    """`seqs` (indices into `kv_lens`) split into groups padded to their own longest keys: from
+    the longest down, the sequences with under 1 / KV_SPLIT_RATIO of a group's longest keys
+    start a new group when that saves KV_SPLIT_MIN_SLOTS gathered keys or more. Each group
+    in the original order; [] for no sequences."""
+    order = sorted(seqs, key=lambda s: -kv_lens[s])
+    groups: list[list[int]] = []
+    while order:
+        top = kv_lens[order[0]]
+        cut = next(
+            (i for i, s in enumerate(order) if kv_lens[s] * KV_SPLIT_RATIO < top), len(order)
+        )
+        rest = order[cut:]
+        if rest and len(rest) * (top - kv_lens[rest[0]]) >= KV_SPLIT_MIN_SLOTS:
+            groups.append(sorted(order[:cut]))
+            order = rest
+        else:
+            groups.append(sorted(order))
+            order = []
+    return groups
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -53,7 +85,7 @@ class TorchAttentionBackend(AttentionBackend):
         self._num_tokens = start
         shared = [s for s, q in enumerate(meta.query_lens) if q <= SHARED_QUERY_MAX]
         alone = [[s] for s, q in enumerate(meta.query_lens) if q > SHARED_QUERY_MAX]
-        groups = ([shared] if shared else []) + alone
+        groups = kv_groups(shared, meta.kv_lens) + alone
         self._groups = [self._plan_group(meta, seqs, starts) for seqs in groups]
 
     def _plan_group(self, meta: AttentionMetadata, seqs: list[int], starts: list[int]) -> _Group:
