@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
 
 from adaserve.bench.report import RequestRecord
-from adaserve.request_manager.control.profile import LatencyPoint, Profile
 from adaserve.sim.run import Saturation, cheapest_share, saturation
+from tests.sim.test_sim_replicas import write_linear_server
 from tests.sim.test_simulate import bench_requests
 
 
@@ -71,19 +70,7 @@ def test_simulate_ceiling_reports_the_rate_a_backlogged_replica_completes(
     # One replica of batch 8, forward 20 ms + 0.5 ms a token, 16-token prompts, 64 tokens
     # out: a full batch decodes 8 rows in 24 ms, so it completes at most 8 / (64 x 24 ms)
     # = 5.2 requests a second (a little less: prompt chunks ride along). Offered 40 rps.
-    trace = [
-        {
-            "emission_time_ms": 25.0 * i,
-            "prompt": "word " * 16,
-            "input_length": 16,
-            "output_length": 64,
-            "slo_ratio": -40.0,
-        }
-        for i in range(400)
-    ]
-    (tmp_path / "t.json").write_text(json.dumps(trace))
-    target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128))
-    Profile("cpu", "m", "d", target, (), 16, 1.5, 256, 20.5).save(tmp_path / "p.json")
+    write_linear_server(tmp_path, 400, 25.0)
     argv = ["simulate", "--trace", str(tmp_path / "t.json"), "--policy", "incremental"]
     argv += ["--cost-model", str(tmp_path / "p.json"), "--replicas", "4", "--max-num-seqs", "8"]
     argv += ["--rps", "40", "--rate-ceiling", "0.95", "--no-progress"]

@@ -129,25 +129,31 @@ def test_find_rate_brackets_the_rate_where_attainment_crosses_the_target() -> No
         find_rate(attainment, 95.0, 2.0, 8.0)
 
 
+def write_linear_server(tmp_path: Path, n: int, gap_ms: float) -> None:
+    """tmp_path/t.json: `n` requests `gap_ms` apart, 16-token prompts, 64 tokens out, 40-ms
+    SLOs; tmp_path/p.json: a profile whose forward costs 20 ms + 0.5 ms a token."""
+    trace = [
+        {
+            "emission_time_ms": gap_ms * i,
+            "prompt": "word " * 16,
+            "input_length": 16,
+            "output_length": 64,
+            "slo_ratio": -40.0,
+        }
+        for i in range(n)
+    ]
+    (tmp_path / "t.json").write_text(json.dumps(trace))
+    target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128))
+    Profile("cpu", "m", "d", target, (), 16, 1.5, 256, 20.5).save(tmp_path / "p.json")
+
+
 def test_simulate_find_rate_reports_each_router_s_capacity(tmp_path: Path, capsys) -> None:
     from adaserve.cli import main
 
     # 2 replicas of a server whose forward is 20 ms + 0.5 ms a token, 40-ms streams (at most
     # 40 rows a replica, ~30 rps between the two): the search's probes are result lines, and
     # the table's bracket agrees with them.
-    trace = [
-        {
-            "emission_time_ms": 100.0 * i,
-            "prompt": "word " * 16,
-            "input_length": 16,
-            "output_length": 64,
-            "slo_ratio": -40.0,
-        }
-        for i in range(160)
-    ]
-    (tmp_path / "t.json").write_text(json.dumps(trace))
-    target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64, 128))
-    Profile("cpu", "m", "d", target, (), 16, 1.5, 256, 20.5).save(tmp_path / "p.json")
+    write_linear_server(tmp_path, 160, 100.0)
     out = tmp_path / "r.jsonl"
     argv = ["simulate", "--trace", str(tmp_path / "t.json"), "--policy", "incremental"]
     argv += ["--cost-model", str(tmp_path / "p.json"), "--replicas", "2"]
