@@ -229,6 +229,9 @@ def simulate(
     bar.update(len(held))
     bar.close()
     stats.wall_s = time.perf_counter() - start
+    for r in reps:
+        if r.sched.timeline is not None:
+            r.sched.timeline.close()
     stats.preemptions = sum(r.sched.num_preemptions for r in reps)
     stats.records = sorted([*(_record(b, r) for b, r in live), *refused], key=lambda r: r.index)
     return stats

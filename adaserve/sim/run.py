@@ -210,8 +210,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "second while backlogged, x replicas / ATTAINMENT, is the ceiling. A second line keeps "
         "the SLOs (what a replica given the whole mix completes while pacing it)",
     )
+    p.add_argument(
+        "--record-iterations",
+        default=None,
+        metavar="FILE",
+        help="the simulated server's iteration timeline, as `adaserve serve --record-iterations` "
+        "writes it (virtual seconds), to set beside a real server's: FILE for one point, else "
+        "one file per point (FILE's name with .POLICY.rpsRATE before its suffix); one replica",
+    )
     p.add_argument("--label-suffix", default=" (sim)", help="appended to the policy in labels")
     add_workload_arguments(p, simulated=True)
+
+
+def timeline_path(path: str, policy: str, rps: float | None) -> str:
+    """One point's timeline file among many: FILE's name with .POLICY.rpsRATE before its
+    suffix (`it.jsonl` -> `it.adaserve.rps0.5.jsonl`)."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.{policy}.rps{rps if rps is not None else 'trace'}{p.suffix}"))
 
 
 def setup_from_args(a: argparse.Namespace, policy: str) -> SimSetup:
@@ -275,9 +290,16 @@ def run(a: argparse.Namespace) -> int:
         if r not in ROUTERS:
             raise ValueError(f"unknown router {r!r}; one of {', '.join(ROUTERS)}")
     results = []
+    if a.record_iterations and a.replicas > 1:
+        raise ValueError("--record-iterations records one replica's timeline; drop --replicas")
+    many_points = a.find_rate is not None or len(a.rps or [None]) * len(policies) * len(routers) > 1
 
     def point(rps: float | None, policy: str, router: str) -> dict:
         setup = replace(setups[policy], router=router)
+        if a.record_iterations:
+            path = timeline_path(a.record_iterations, policy, rps) if many_points else None
+            sched = replace(setup.sched, record_iterations=path or a.record_iterations)
+            setup = replace(setup, sched=sched)
         # Labels name the router only when there is a choice of one.
         via = f" x{setup.replicas} {router}" if setup.replicas > 1 or len(routers) > 1 else ""
         label = f"{policy}{via}{a.label_suffix}"

@@ -428,9 +428,8 @@ def test_roofline_matches_the_hardware_it_names() -> None:
         load_cost("roofline:llama-2-7b@v100")
 
 
-def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
-    from adaserve.cli import main
-
+def write_mixed_trace(path: Path, n: int = 12) -> None:
+    """n requests 250 ms apart, 30-token prompts, 32 output tokens, the three SLO classes."""
     trace = [
         {
             "emission_time_ms": 250.0 * i,
@@ -439,9 +438,15 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
             "output_length": 32,
             "slo_ratio": [1.2, -50.0, -150.0][i % 3],
         }
-        for i in range(12)
+        for i in range(n)
     ]
-    (tmp_path / "t.json").write_text(json.dumps(trace))
+    path.write_text(json.dumps(trace))
+
+
+def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
+    from adaserve.cli import main
+
+    write_mixed_trace(tmp_path / "t.json")
     target = tuple(LatencyPoint(t, 256, 20.0 + 0.5 * t) for t in (1, 2, 4, 8, 16, 32, 64))
     draft = tuple(LatencyPoint(t, 256, 1.0 + 0.05 * t) for t in (1, 2, 4, 8, 16, 32, 64))
     prof = Profile("cpu", "m", "d", target, draft, 16, 1.5, 256, 20.5)
@@ -495,6 +500,40 @@ def test_simulate_cli_writes_the_bench_report(tmp_path: Path, capsys) -> None:
     assert "| adaserve (sim) |" in capsys.readouterr().out
     per_request = (tmp_path / "r.requests.jsonl").read_text().splitlines()
     assert len(per_request) == 48
+
+
+def test_simulate_records_each_points_iteration_timeline(tmp_path: Path, capsys) -> None:
+    """--record-iterations: the simulated server's timeline, one file per point, in the
+    server's format; it accounts for every prompt token and every token the report counts."""
+    from adaserve.cli import main
+    from adaserve.sim.run import timeline_path
+
+    write_mixed_trace(tmp_path / "t.json")
+    out, timeline = tmp_path / "r.jsonl", tmp_path / "it.jsonl"
+    argv = ["simulate", "--trace", str(tmp_path / "t.json"), "--policy", "incremental,adaserve"]
+    argv += ["--cost-model", "roofline:llama-2-7b@a100-80g", "--acceptance", "param:alpha=0.6"]
+    argv += ["--rps", "2,8", "--out", str(out), "--no-progress"]
+    assert main([*argv, "--record-iterations", str(timeline)]) == 0
+    assert timeline_path(str(timeline), "adaserve", 0.5) == str(
+        tmp_path / "it.adaserve.rps0.5.jsonl"
+    )
+    assert not timeline.exists(), "four points: four files, none under the plain name"
+    for result in (json.loads(x) for x in out.read_text().splitlines()):
+        policy = result["label"].removesuffix(" (sim)")
+        rows = [json.loads(x) for x in open(timeline_path(str(timeline), policy, result["rps"]))]
+        prompt: dict[str, int] = {}
+        for row in rows:
+            for rid, n in row["prompt_tokens"].items():
+                prompt[rid] = prompt.get(rid, 0) + n
+            assert row["forward_tokens"] == row["decode_rows"] + row["tree_tokens"] + sum(
+                row["prompt_tokens"].values()
+            )
+        assert sorted(prompt.values()) == [30] * 12
+        assert sum(row["emitted"] for row in rows) == result["output_tokens"] == 12 * 32
+        assert [row["t"] for row in rows] == sorted(row["t"] for row in rows)
+        assert rows[-1]["t"] <= result["duration_s"], "virtual seconds, not the host's"
+    assert main([*argv, "--record-iterations", str(timeline), "--replicas", "2"]) != 0
+    assert "records one replica's timeline; drop --replicas" in capsys.readouterr().err
 
 
 def test_the_server_s_admission_margin_and_row_deferral_are_simulate_flags() -> None:
