@@ -467,9 +467,18 @@ def test_decode_rows_and_a_prompt_chunk_split_apart_give_the_one_call_logits(run
     # The chunk's own call computes it exactly as the shared one did, and writes the same KV.
     assert torch.equal(split[3], one[3]) and torch.equal(split_after, one_after)
     # Decode rows run as a 3-row matmul instead of a 73-row one: llama.cpp's 8-bit
-    # activations round apart (measured: up to 0.59 on logits up to 28), the argmax stays.
-    assert torch.equal(split.argmax(1), one.argmax(1))
-    assert (split[:3] - one[:3]).abs().max() < 0.05 * one.abs().max()
+    # activations round apart (measured: up to 0.59 on logits up to 28), as batching the
+    # same rows differently does in any llama.cpp server. The greedy token stays wherever the
+    # two best logits are further apart than that rounding; where they are closer (on a
+    # 2026-12-03 AMD EPYC, row 2: 20.899 against 20.891 in one call), either may win.
+    rounding = float((split[:3] - one[:3]).abs().max())
+    assert rounding < 0.05 * float(one.abs().max())
+    for row in range(3):
+        top = one[row].topk(2)
+        if float(top.values[0] - top.values[1]) > 2 * rounding:
+            assert int(split[row].argmax()) == int(top.indices[0]), row
+        else:
+            assert int(split[row].argmax()) in top.indices.tolist(), row
 
 
 def test_the_ceiling_leaves_every_running_request_a_sequence_id():
