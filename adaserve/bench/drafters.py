@@ -17,7 +17,9 @@ the ratio to incremental is end to end, from submission to the last token, prefi
 what a new user's traffic meets. `--scenario repeated` keeps one engine per configuration for
 the whole run (traffic that repeats: the suffix index then holds earlier answers). Prints a
 markdown table: end-to-end and decode tokens/s, the end-to-end ratio to incremental (and its
-range over the rounds), accepted tokens and draft time per decode iteration.
+range over the rounds), the ratio of the mean request latency (submission to last token, on
+the engine's own clock) to incremental's, accepted tokens and draft time per decode iteration.
+Tokens/s over a pass is decided by the pass's last request; the mean latency by every request.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ class Result:
     decode_iterations: int
     accepted: int
     draft_s: float
+    requests: int = 0
+    latency_s: float = 0.0  # summed over requests: submission to last token, own clock
+
+    @property
+    def mean_latency_s(self) -> float:
+        return self.latency_s / max(self.requests, 1)
 
     def add(self, other: Result) -> None:
         add_totals(self, other)
@@ -83,15 +91,21 @@ class Pass:
         concurrency: int,
         max_tokens: int,
         staggered: bool = False,
+        ignore_eos: bool = False,
     ) -> None:
         self.engine, self.concurrency = engine, concurrency
         self.clock = own_clock(engine)  # the engine's time: its own steps only
         self.params = [
-            SamplingParams(max_tokens=output_limit(max_tokens, i, staggered), temperature=0.0)
+            SamplingParams(
+                max_tokens=output_limit(max_tokens, i, staggered),
+                temperature=0.0,
+                ignore_eos=ignore_eos,
+            )
             for i in range(len(prompts))
         ]
         self.pending = list(prompts)
         self.result = Result(0, 0.0, 0, 0.0, 0, 0, 0.0)
+        self.submitted: dict[str, float] = {}  # request id -> own-clock time it was added
 
     @property
     def done(self) -> bool:
@@ -114,10 +128,16 @@ class Pass:
             # was 1.26x served alone.
             while self.pending and self.in_flight < self.concurrency:
                 params = self.params[len(self.params) - len(self.pending)]
-                engine.add_request(self.pending.pop(0), params)
+                req = engine.add_request(self.pending.pop(0), params)
+                self.submitted[req.request_id] = self.clock()
             outs = engine.step()
             r.seconds += time.perf_counter() - start
+            done_at = self.clock()
         r.tokens += sum(len(o.delta_token_ids) for o in outs)
+        for o in outs:
+            if o.finished:
+                r.requests += 1
+                r.latency_s += done_at - self.submitted.pop(o.request_id)
         s = engine.last_stats
         if s is not None and s.kind == "decode":
             r.decode_tokens += s.emitted_tokens
@@ -139,9 +159,10 @@ def serve(
     concurrency: int,
     max_tokens: int,
     staggered: bool = False,
+    ignore_eos: bool = False,
 ) -> Result:
     """Serve `prompts` keeping `concurrency` in flight; greedy."""
-    return serve_side_by_side([engine], prompts, concurrency, max_tokens, staggered)[0]
+    return serve_side_by_side([engine], prompts, concurrency, max_tokens, staggered, ignore_eos)[0]
 
 
 def serve_side_by_side(
@@ -150,13 +171,14 @@ def serve_side_by_side(
     concurrency: int,
     max_tokens: int,
     staggered: bool = False,
+    ignore_eos: bool = False,
 ) -> list[Result]:
     """Each engine serves the same `prompts`, their steps interleaved one by one, each timed
     on its own steps and reading a clock that runs only during them (`passes.OwnClock`). A
     slow moment of a shared machine (this one moves 10-20% between passes a minute apart)
     then falls on every configuration alike: two identical engines served this way differ by
     ~2%, in passes one after another by up to 20%."""
-    passes = [Pass(e, prompts, concurrency, max_tokens, staggered) for e in engines]
+    passes = [Pass(e, prompts, concurrency, max_tokens, staggered, ignore_eos) for e in engines]
     with frozen_heap():  # as in a server: full collector passes skip what start-up built
         while not all(p.done for p in passes):
             for p in passes:
@@ -210,6 +232,13 @@ def main() -> None:
         default="same",
         help="same: every request up to --max-tokens; staggered: 5/8, 7/8, 9/8, 11/8 of it in "
         "turn, so requests started together do not all finish (and free the cache) together",
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request runs to its max_tokens past the end-of-sequence token (#35's "
+        "measurement: requests started together finish together under incremental decoding); "
+        "default: a request ends at its EOS, so outputs differ in length",
     )
     ap.add_argument("--budget", type=int, default=SchedulerConfig.budget)
     ap.add_argument(
@@ -303,13 +332,13 @@ def main() -> None:
         f"{args.per_category} x concurrency prompts per category, scenario {args.scenario}, "
         f"backend {args.backend} on {args.device} ({args.dtype}), {args.rounds} rounds, "
         f"{args.schedule}, "
-        f"{args.lengths} lengths\n"
+        f"{args.lengths} lengths{', EOS ignored' if args.ignore_eos else ''}\n"
     )
     print(
         "| category | concurrent | config | tok/s | decode tok/s | vs incremental "
-        "| per round | accepted/iter | draft ms/iter |"
+        "| per round | mean latency vs incremental | accepted/iter | draft ms/iter |"
     )
-    print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for cat in args.categories:
         for c in args.concurrency:
             prompts = by_cat[cat][: args.per_category * c]
@@ -320,11 +349,20 @@ def main() -> None:
                 order = turns(pool.labels, i)  # no configuration always runs (steps) first
                 if args.schedule == "interleaved":
                     engines = [pool.engine(entry) for entry in order]
-                    served = serve_side_by_side(engines, prompts, c, args.max_tokens, stagger)
+                    served = serve_side_by_side(
+                        engines, prompts, c, args.max_tokens, stagger, args.ignore_eos
+                    )
                     del engines
                 else:
                     served = [
-                        serve(pool.engine(entry), prompts, c, args.max_tokens, stagger)
+                        serve(
+                            pool.engine(entry),
+                            prompts,
+                            c,
+                            args.max_tokens,
+                            stagger,
+                            args.ignore_eos,
+                        )
                         for entry in order
                     ]
                 by_label = dict(zip(order, served))
@@ -338,12 +376,15 @@ def main() -> None:
             # sequential: its fastest round.
             shown = total if args.schedule == "interleaved" else best
             base = shown[pool.labels[0]].tokens_per_s
+            base_latency = shown[pool.labels[0]].mean_latency_s
             for entry, r in shown.items():
                 iters = max(1, r.decode_iterations)
                 spread = f"{min(ratios[entry]):.2f}-{max(ratios[entry]):.2f}"
                 print(
                     f"| {cat} | {c} | {entry} | {r.tokens_per_s:.1f} | {r.decode_tokens_per_s:.1f} "
-                    f"| {r.tokens_per_s / base:.2f}x | {spread} | {r.accepted / iters:.2f} "
+                    f"| {r.tokens_per_s / base:.2f}x | {spread} "
+                    f"| {r.mean_latency_s / max(base_latency, 1e-9):.2f}x "
+                    f"| {r.accepted / iters:.2f} "
                     f"| {1000 * r.draft_s / iters:.2f} |",
                     flush=True,
                 )

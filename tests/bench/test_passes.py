@@ -115,6 +115,52 @@ def test_a_pass_never_has_more_requests_in_flight_than_its_concurrency(tiny_llam
         assert not run.pending and run.result.tokens >= len(prompts), "a prompt was not served"
 
 
+def test_ignore_eos_runs_every_request_to_its_max_tokens(tiny_llama) -> None:
+    """#35's measurement (`--ignore-eos`): requests started together end together under
+    incremental decoding, whatever token the model emits; without it a request ends at EOS."""
+    from adaserve.bench.drafters import Pass
+
+    prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 7, 7, 7]]
+    served = {}
+    for ignore_eos in (False, True):
+        engine = LLMEngine(
+            ModelConfig(model=str(tiny_llama), drafter="suffix"),
+            CacheConfig(block_size=4, num_blocks=256),
+            SchedulerConfig(policy="adaserve", budget=8, max_num_seqs=4),
+        )
+        # Every token ends a request here, so EOS comes at each request's first token.
+        engine.scheduler.output.eos_ids = set(range(engine.tokenizer.vocab_size + 512))
+        run = Pass(engine, prompts, 4, 6, ignore_eos=ignore_eos)
+        while not run.done:
+            run.step()
+        served[ignore_eos] = run.result.tokens
+    assert served[False] == len(prompts), f"EOS did not end the requests: {served[False]} tokens"
+    assert served[True] == 6 * len(prompts), f"--ignore-eos served {served[True]} tokens"
+
+
+def test_request_latency_runs_from_submission_to_the_last_token(tiny_llama) -> None:
+    """The mean latency column: one at a time, the requests' latencies add up to the pass's
+    time; all at once with equal lengths (incremental decoding), each took the whole pass."""
+    from adaserve.bench.drafters import Pass
+
+    prompts = [PROMPT, PROMPT[::-1], [7, 7, 7, 7, 7, 7]]
+    for concurrency in (1, len(prompts)):
+        engine = LLMEngine(
+            ModelConfig(model=str(tiny_llama)),
+            CacheConfig(block_size=4, num_blocks=256),
+            SchedulerConfig(policy="incremental", budget=8, max_num_seqs=4),
+        )
+        run = Pass(engine, prompts, concurrency, 6, ignore_eos=True)
+        while not run.done:
+            run.step()
+        r = run.result
+        assert r.requests == len(prompts)
+        total = r.latency_s if concurrency == 1 else r.mean_latency_s
+        # Both are read on the engine's own clock, the pass's seconds on perf_counter around
+        # the same steps: they differ by the few microseconds between the two readings.
+        assert total == pytest.approx(r.seconds, rel=0.05), (concurrency, total, r.seconds)
+
+
 def test_staggered_lengths_keep_the_mean_and_spread_the_finishes() -> None:
     from adaserve.bench.drafters import output_limit
 
