@@ -129,8 +129,11 @@ def rope_inv_freq(args: LlamaArgs) -> torch.Tensor:
 # or faster (python -m adaserve.bench.linears: 0.8-1.0x at 64-128 rows, 1.2-1.7x at 256-512).
 SKINNY_MAX_ROWS = 64
 # The row counts `choose_cpu_linears` times; a row count between two is decided by the next one
-# up (3 rows by 4, 9-16 by 16).
-SKINNY_POINTS = (1, 2, 4, 8, 16, 32, 64)
+# up (5-8 rows by 8, 9-16 by 16). 3 is its own point: MKL's F.linear streams the weights at 1-3
+# rows and changes kernel at 4 (the default model's linears on a 2-vCPU AMD EPYC: 24.1 ms at 3
+# rows, 37.5 at 4, packed weights 28.1 and 26.1), so 3 rows decided by 4 ran packed, 4 ms
+# slower, in every forward of three decode rows or one row and a two-node tree.
+SKINNY_POINTS = (1, 2, 3, 4, 8, 16, 32, 64)
 # Weights smaller than this stay in the CPU's caches, where the two kernels' difference is
 # noise: models that small keep the default (W x^T) without timing anything.
 SKINNY_MIN_BYTES = 64 << 20
