@@ -315,6 +315,23 @@ def test_may_pay_when_a_perfect_draft_would_beat_plain_decoding():
     assert not costly.may_pay(2, shape, 0)
 
 
+def test_a_draft_whose_best_case_only_breaks_even_is_not_run():
+    """Acceptance is below 1, so a draft that would only tie with plain decoding if the target
+    took every token loses: at one request on llama.cpp the default draft sat at a best case
+    of 0.99-1.00 and drafted on the coin flip (0.87x incremental in the policies benchmark)."""
+    from adaserve.request_manager.control.controller import BEST_CASE_MIN_RATIO
+
+    cfg = SchedulerConfig(policy="adaserve", budget=16)
+    target = _cost({1: 10, 2: 15, 4: 20, 8: 30, 16: 50})
+    shape = SpecShape(depth=1, width=1)
+    for draft_ms, runs in ((4.4, False), (1.0, True)):
+        ctl = SpeculationController(cfg, True, 16, target, _cost({1: draft_ms, 4: draft_ms}))
+        best = ctl.best_case_ratio(1, shape, 0)
+        assert (best >= BEST_CASE_MIN_RATIO) == runs and best >= 1.0, (draft_ms, best)
+        assert ctl.may_pay(1, shape, 0) == runs
+        assert ctl.should_draft(1, shape, 0) == runs, f"{draft_ms} ms draft, best case {best:.3f}"
+
+
 def test_suffix_trees_that_cost_more_than_they_yield_are_not_verified(pair):  # noqa: F811
     """Control applies to model-free drafters too: with every extra verified token priced
     above what it can yield, the suffix drafter still proposes its trees, and pruning cuts
