@@ -28,6 +28,15 @@ server's one-row forwards took 6-7 ms in one replay and 9-11 ms in the next, rec
 2026-11-29), and a fixed order hands one system the same slot of the drift every time. The
 table and plot then show each point's mean over its rounds, with the range of its
 attainment (`pooled`).
+
+The machine's speed is also measured, before and after every point, by a fixed CPU task
+(`machine_speed`: float32 matrix products and a memory copy) against the same task before the
+first point. A point during which the machine ran over --max-slowdown (1.3x) slower is run
+again once on a fresh server (its first line stays in --out, marked `rerun`); if it is slow
+again it is kept and the table names it. The reference is the fastest the machine has been. Seen
+2026-12-04: one adaserve point's one-row forwards took 28-38 ms, where the same server took
+11-13 ms alone before and after, and the point read as a loss to llama-server (0.86x) that a
+normal-speed run of the same command turned into a win (1.34x).
 """
 
 from __future__ import annotations
@@ -76,6 +85,15 @@ LLAMA_SLOTS = 16
 LLAMA_CONTEXT = 32768
 CALIBRATION_TOKENS = 64
 CALIBRATION_ATTEMPTS = 2
+# The machine-speed probe (`machine_speed`): products of a float32 matrix of this side, copies
+# of this many bytes, the median of this many samples (~0.3 s in all on 2 cores).
+PROBE_MATRIX = 384
+PROBE_PRODUCTS = 8
+PROBE_BYTES = 32 << 20
+PROBE_COPIES = 4
+PROBE_SAMPLES = 5
+DEFAULT_MAX_SLOWDOWN = 1.3
+SLOW_POINT_RETRIES = 1
 
 
 def _systems(text: str) -> list[str]:
@@ -116,6 +134,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S)
     p.add_argument("--server-log-dir", default=None, help="keep server logs here")
+    p.add_argument(
+        "--max-slowdown",
+        type=float,
+        default=DEFAULT_MAX_SLOWDOWN,
+        help="run a point again (once) when a fixed CPU task timed before or after it ran "
+        "this many times slower than before the first point (a shared host's other load); "
+        "0: never",
+    )
     p.add_argument(
         "--rounds",
         type=int,
@@ -208,6 +234,39 @@ def calibrate(
         flush=True,
     )
     return tpot, prefill
+
+
+def machine_speed() -> tuple[float, float]:
+    """The machine's speed now: (ms of PROBE_PRODUCTS products of a PROBE_MATRIX-square float32
+    matrix on numpy's BLAS threads, ms of PROBE_COPIES copies of PROBE_BYTES), each the median
+    of PROBE_SAMPLES; what a CPU forward waits on, compute and memory."""
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((PROBE_MATRIX, PROBE_MATRIX), np.float32)
+    src = np.ones(PROBE_BYTES // 4, np.float32)
+    dst = np.empty_like(src)
+    products, copies = [], []
+    for _ in range(PROBE_SAMPLES):
+        t = time.perf_counter()
+        for _ in range(PROBE_PRODUCTS):
+            a @ a
+        products.append(1000.0 * (time.perf_counter() - t))
+        t = time.perf_counter()
+        for _ in range(PROBE_COPIES):
+            np.copyto(dst, src)
+        copies.append(1000.0 * (time.perf_counter() - t))
+    return statistics.median(products), statistics.median(copies)
+
+
+def faster(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
+    """Part by part, the faster of two `machine_speed` probes."""
+    return min(a[0], b[0]), min(a[1], b[1])
+
+
+def slowdown(probes: Sequence[Sequence[float]], reference: Sequence[float]) -> float:
+    """How many times slower than `reference` the slowest of `probes` (`machine_speed`) ran,
+    by its slower part."""
+    return max(p / r for probe in probes for p, r in zip(probe, reference))
 
 
 def _cell(x: float | None, fmt: str, scale: float = 1.0) -> str:
@@ -340,8 +399,26 @@ def compare_table(results: Sequence[dict]) -> str:
             _cell(r.get("best_effort", 0), "g"),
         ]
         rows.append("| " + " | ".join(cells) + " |")
-    versus = versus_lines(results)
+    versus = versus_lines(results) + slow_lines(results)
     return "\n".join(rows + ([""] + versus if versus else []))
+
+
+def slow_lines(results: Sequence[dict]) -> list[str]:
+    """The points kept though the machine ran over their --max-slowdown during them (run again
+    once and slow again): their figures measure the host as much as the server."""
+    slow = [
+        r
+        for r in results
+        if r.get("max_slowdown") and r.get("machine_slowdown", 0.0) > r["max_slowdown"]
+    ]
+    if not slow:
+        return []
+    names = ", ".join(
+        f"{r['system']} @ {_cell(r.get('rps'), '.2f')} rps round {r.get('round', 0)} "
+        f"({r['machine_slowdown']:.2f}x)"
+        for r in slow
+    )
+    return [f"ran while the machine was slow (a fixed CPU task over --max-slowdown): {names}"]
 
 
 def plot_compare(results: Sequence[dict], out: str | Path) -> Path:
@@ -424,26 +501,76 @@ def run(args: argparse.Namespace) -> int:
     )
     for rps in args.rps or [None]:
         prepare_point(args, trace, rps)  # bad options fail before any server starts
+    reference = machine_speed()
+    print(
+        f"machine speed: {reference[0]:.1f} ms of products, {reference[1]:.1f} ms of copies",
+        file=sys.stderr,
+        flush=True,
+    )
     results, failed = [], []
     for rnd, rps, system in point_order(args.systems, args.rps or [None], args.rounds):
-        cmd = system_command(args, system, free_port())
         tag = f"-r{rnd}" if args.rounds > 1 else ""
-        log = log_dir / f"{system}-rps{rps}{tag}.log"
         name = f"[{system} @ {rps} rps{f', round {rnd}' if tag else ''}]"
-        print(f"{name} {shlex.join(cmd)}", file=sys.stderr, flush=True)
-        try:
-            with running_server(cmd, log, args.startup_timeout) as url:
-                warm_up(url, None)
-                extra = {
-                    "system": system,
-                    "server_command": cmd,
-                    "slo_baseline_ms": baseline,
-                    "round": rnd,
+        result: dict | None = None
+        for attempt in range(1 + SLOW_POINT_RETRIES):
+            cmd = system_command(args, system, free_port())
+            again = f"-again{attempt}" if attempt else ""
+            log = log_dir / f"{system}-rps{rps}{tag}{again}.log"
+            print(f"{name} {shlex.join(cmd)}", file=sys.stderr, flush=True)
+            before = machine_speed()
+            # The fastest the machine has been (a reference taken in a slow spell would pass
+            # every point run in the next one).
+            reference = faster(reference, before)
+            last = attempt == SLOW_POINT_RETRIES
+
+            def speed(before=before, last=last, reference=reference) -> dict:
+                # After the replay, the server idle: the result line records both probes and
+                # whether a fresh server runs the point again (`rerun`: this line is not it).
+                after = machine_speed()
+                reference = faster(reference, after)
+                slow = slowdown([before, after], reference)
+                over = bool(args.max_slowdown) and slow > args.max_slowdown
+                return {
+                    "machine_probe_ms": {
+                        "reference": list(reference),
+                        "before": list(before),
+                        "after": list(after),
+                    },
+                    "machine_slowdown": slow,
+                    "max_slowdown": args.max_slowdown,
+                    "rerun": over and not last,
                 }
-                result = run_point(args, url, trace, rps, system, extra=extra)
-        except (RuntimeError, httpx.HTTPError) as exc:
-            print(f"{name} skipped: {exc}", file=sys.stderr, flush=True)
-            failed.append(f"{system}@{rps}{tag}")
+
+            try:
+                with running_server(cmd, log, args.startup_timeout) as url:
+                    warm_up(url, None)
+                    extra = {
+                        "system": system,
+                        "server_command": cmd,
+                        "slo_baseline_ms": baseline,
+                        "round": rnd,
+                        "attempt": attempt,
+                    }
+                    point = run_point(args, url, trace, rps, system, extra=extra, finish=speed)
+            except (RuntimeError, httpx.HTTPError) as exc:
+                print(f"{name} skipped: {exc}", file=sys.stderr, flush=True)
+                failed.append(f"{system}@{rps}{tag}")
+                result = None
+                break
+            result = point
+            fastest = point["machine_probe_ms"]["reference"]  # with the probe after it
+            reference = (fastest[0], fastest[1])
+            slow = point["machine_slowdown"]
+            if not args.max_slowdown or slow <= args.max_slowdown:
+                break
+            print(
+                f"{name} the machine ran {slow:.2f}x slower than before the first point "
+                f"(--max-slowdown {args.max_slowdown:g}): "
+                + ("kept, and named in the table" if last else "run again on a fresh server"),
+                file=sys.stderr,
+                flush=True,
+            )
+        if result is None:
             continue
         print(one_line(result), flush=True)
         results.append(result)
@@ -456,7 +583,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("results", help="a results file written by `adaserve bench compare`")
     p.add_argument("--plot", default=None, help="PNG to draw (default: RESULTS with .png)")
     args = p.parse_args(argv)
-    results = [r for r in load_results(args.results) if r.get("system") in SYSTEMS]
+    # A line whose point a fresh server ran again (the machine was slow) is not counted.
+    results = [
+        r for r in load_results(args.results) if r.get("system") in SYSTEMS and not r.get("rerun")
+    ]
     if not results:
         print(f"no `adaserve bench compare` result in {args.results}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ import asyncio
 import datetime
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from adaserve.bench.plot import plot_results
@@ -198,8 +198,10 @@ def run_point(
     label: str | None,
     model: str | None = None,
     extra: dict | None = None,
+    finish: Callable[[], dict] | None = None,
 ) -> dict:
-    """Replay the trace once at `rps`, append its result (and its requests); returns the result."""
+    """Replay the trace once at `rps`, append its result (and its requests); returns the result.
+    `finish`: called after the replay, what it returns is added to the result (after `extra`)."""
     reqs = prepare_point(args, trace, rps)
     offered = mean_rate([r.send_time_s for r in reqs])
     desc = f"{label or 'bench'} @ {rps if rps is not None else offered or 0:.3g} rps"
@@ -223,6 +225,8 @@ def run_point(
     label = label or model
     result = result_line(args, trace, reqs, rps, label, url, model, records, started)
     result.update(server_metrics=counters, **(extra or {}))
+    if finish is not None:
+        result.update(finish())
     append_jsonl(Path(args.out), [result])
     append_requests(args, result, records)
     return result
