@@ -35,7 +35,7 @@ first point. A point during which the machine ran over --max-slowdown (1.3x) slo
 again once on a fresh server (its first line stays in --out, marked `rerun`); if it is slow
 again it is kept and the table names it. The reference is the fastest the machine has been. Seen
 2026-12-04: one adaserve point's one-row forwards took 28-38 ms, where the same server took
-11-13 ms alone before and after, and the point read as a loss to llama-server (0.86x) that a
+11-13 ms in runs minutes later, and the point read as a loss to llama-server (0.86x) that a
 normal-speed run of the same command turned into a win (1.34x).
 """
 
@@ -183,7 +183,11 @@ def system_command(args: argparse.Namespace, system: str, port: int) -> list[str
 async def _single_stream_tpot_ms(url: str, prompts: Sequence[str], tokens: int) -> float:
     """Median TPOT of greedy requests sent one at a time (each timed from first to last token)."""
     tpots = []
-    async with httpx.AsyncClient(timeout=600.0) as client:
+    # A fresh connection per request: llama-server closed a kept-alive one after a long stream
+    # (2026-12-03/04: the third calibration request of a run, "Server disconnected without
+    # sending a response", on most first attempts).
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600.0, limits=fresh) as client:
         for prompt in prompts:
             body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0, "stream": True}
             body["ignore_eos"] = True
