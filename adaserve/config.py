@@ -303,7 +303,7 @@ class SchedulerConfig:
     # this many are and its first token, its prompt last, is predicted within
     # admission_best_effort_wait x its TTFT objective: the scheduler keeps no pace for it, its
     # row sits out first and its prompt goes last (Admission.best_effort_refusal). 0: refuse.
-    admission_best_effort: int = 4
+    admission_best_effort: int = 8
     admission_best_effort_wait: float = 4.0
     # Under overload (the arrivals of the last admission_work_window_s need more compute than
     # admission_work_share of its seconds), --admission slo serves the requests that need the
