@@ -196,6 +196,10 @@ class SchedulerConfig:
     # A stream far ahead of its pace lends up to this share of its banked time to one
     # iteration's prompt chunks (at least one pace; request_manager/prefill.py).
     slo_bank_spend: float = 0.5
+    # A stream also lends this share of the slack its remaining tokens are predicted to leave
+    # at its pace (max_tokens left x (pace - its time a token now)): a prompt goes in now on
+    # time the stream would bank later (request_manager/prefill.py; 0: the past bank only).
+    slo_future_lend: float = 0.0
     # A stream ahead of its pace by two iterations sits out an iteration that would otherwise
     # run longer than a tighter stream's pace affords (request_manager/pacing.py): on a
     # compute-bound CPU forward every row lengthens every stream's gap.
@@ -334,6 +338,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.slo_bank_spend <= 1.0:
             raise ValueError(f"slo_bank_spend must be in [0, 1], got {self.slo_bank_spend}")
+        if not 0.0 <= self.slo_future_lend <= 1.0:
+            raise ValueError(f"slo_future_lend must be in [0, 1], got {self.slo_future_lend}")
         if self.admission_best_effort < 0:
             raise ValueError(
                 f"admission_best_effort must be >= 0, got {self.admission_best_effort}"

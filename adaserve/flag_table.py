@@ -176,6 +176,8 @@ FIELD_HELP: dict[str, str] = {
     "slo_pace_margin": "keep streams this fraction under their TPOT SLO when sizing prefill chunks",
     "slo_repay": "share of a pace per iteration a stream behind its pace takes back",
     "slo_bank_spend": "share of its banked time a stream ahead of pace lends to prompt chunks",
+    "slo_future_lend": "share of the slack its remaining tokens will leave at its pace that a "
+    "stream lends to prompt chunks now (0: banked time only)",
     "slo_defer_rows": "a stream two iterations ahead of its SLO pace sits out an iteration "
     "that would run longer than a tighter stream's pace affords",
     "default_ttft_factor": "TTFT objective of a request without slo_ttft_ms: floor + this x "

@@ -120,12 +120,16 @@ def tpot_time_limit(
     repay: float = SchedulerConfig.slo_repay,
     spend: float = SchedulerConfig.slo_bank_spend,
     banked: bool = True,
+    future: float = SchedulerConfig.slo_future_lend,
 ) -> float | None:
     """T_max: the longest iteration every running request with an SLO can afford (seconds).
 
     Requests that cannot afford even `floor_s` (the decode part alone) are left out. Without
     `banked` (what best effort gets), no stream lends banked time and none is left out: only
-    the time left at every stream's pace, a stream behind its pace repaying first.
+    the time left at every stream's pace, a stream behind its pace repaying first. With
+    `future` > 0 (and banked), a stream's bank also counts that share of the slack its
+    remaining tokens leave at its pace when each costs what this iteration's decode part
+    costs it (`future_slack`).
     """
     limit = None
     for r, e in zip(running, expected_tokens):
@@ -137,6 +141,8 @@ def tpot_time_limit(
         due = pace * e  # this iteration's share at its pace
         if banked and due + min(max(bank, 0.0), pace) < floor_s:
             continue  # lost even without prefill: it does not hold prompts back
+        if banked and future > 0.0:
+            bank += future * future_slack(r, e, pace, floor_s)
         if banked:
             # Banked time is spent on prompts: one pace, or a share of a larger bank (TPOT is
             # the stream's mean: a stream well ahead affords one longer gap that finishes a
@@ -146,6 +152,16 @@ def tpot_time_limit(
             allow = max(floor_s, due + max(min(bank, 0.0), -repay * due))
         limit = allow if limit is None else min(limit, allow)
     return limit
+
+
+def future_slack(req: Request, expected_tokens: float, pace_s: float, floor_s: float) -> float:
+    """Seconds the tokens `req` has left after this iteration's leave at its pace, each
+    costing what this iteration's decode part costs it (floor_s / expected_tokens): time it
+    would bank later, lent now. EOS may end the stream sooner; max_tokens bounds it."""
+    left = req.params.max_tokens - len(req.output_token_ids) - expected_tokens
+    if left <= 0 or expected_tokens <= 0:
+        return 0.0
+    return left * max(0.0, pace_s - floor_s / expected_tokens)
 
 
 def pace_allowance(
@@ -277,6 +293,7 @@ def chunk_tokens(
     spend: float = SchedulerConfig.slo_bank_spend,
     iteration_cap_s: float | None = None,
     tile_tokens: int | None = None,
+    future: float = SchedulerConfig.slo_future_lend,
 ) -> int:
     """Prompt tokens to prefill in this iteration (the rule in the module docstring);
     `tile_tokens`: the runner's `attention_tile_tokens` (`tiled_chunk`). A queue headed by a
@@ -287,7 +304,9 @@ def chunk_tokens(
     cap = max_prefill_chunk if running else max_batched_tokens
     floor = cost(max(tree_tokens, 1), context, 0, 0) if running else 0.0
     banked = not prefilling[0].best_effort
-    limit = tpot_time_limit(running, expected_tokens, now, floor, margin, repay, spend, banked)
+    limit = tpot_time_limit(
+        running, expected_tokens, now, floor, margin, repay, spend, banked, future
+    )
     if iteration_cap_s:
         # A prompt arriving now waits for this whole iteration: never longer than the cap
         # (a TTFT objective's forced chunk below still may be).

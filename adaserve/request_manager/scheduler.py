@@ -343,6 +343,7 @@ class Scheduler:
             self.cfg.slo_bank_spend,
             self.cfg.prefill_iteration_ms / 1000.0,
             self.engine.target.attention_tile_tokens,
+            self.cfg.slo_future_lend,
         )
         chunks: list[tuple[Request, int]] = []
         for r in self.prefilling:

@@ -389,6 +389,37 @@ def test_a_stream_far_ahead_of_its_pace_lends_its_bank_to_a_prompt():
     assert chunk_tokens(linear_cost, [ahead], [1.0], [waiting], **args) == 256
 
 
+def test_a_stream_lends_the_slack_its_remaining_tokens_will_leave_when_asked():
+    # --slo-future-lend: a stream exactly at its 95 ms pace (no bank) whose tokens cost 22 ms
+    # each (this iteration's decode part) leaves 73 ms a token it has left; a share of that
+    # goes to the prompt now instead of the stream banking it first.
+    now = 50.0
+    waiting = Request("w", list(range(2, 402)), SamplingParams())
+    args = dict(CHUNK_ARGS, now=now)
+
+    def at_pace(max_tokens: int) -> Request:
+        r = Request("r", [1, 2], SamplingParams(slo_tpot_ms=100, max_tokens=max_tokens))
+        r.append_token(3, now - 0.095)
+        r.append_token(3, now)  # one token after the first, at exactly its pace
+        return r
+
+    # Past bank only: allow 0.095 s -> 0.02 + 0.001 (2 + c) <= 0.095 -> c = 73.
+    assert chunk_tokens(linear_cost, [at_pace(5)], [1.0], [waiting], **args) == 73
+    # Two tokens left after this one: 2 x (0.095 - 0.022) = 0.146 s lent in full, capped at one
+    # pace for this gap (spend: max(pace, half of 0.146)): allow 0.19 s -> c = 168.
+    assert chunk_tokens(linear_cost, [at_pace(5)], [1.0], [waiting], **args, future=1.0) == 168
+    # Half of it: 0.073 s -> allow 0.168 s -> c = 146.
+    assert chunk_tokens(linear_cost, [at_pace(5)], [1.0], [waiting], **args, future=0.5) == 146
+    # Its last token: nothing left to lend.
+    assert chunk_tokens(linear_cost, [at_pace(3)], [1.0], [waiting], **args, future=1.0) == 73
+    # A prompt served best effort borrows nothing: only the time left at the pace.
+    late = Request("b", list(range(2, 402)), SamplingParams())
+    late.best_effort = True
+    assert chunk_tokens(linear_cost, [at_pace(5)], [1.0], [late], **args, future=1.0) == 73
+    with pytest.raises(ValueError, match="slo_future_lend"):
+        SchedulerConfig(slo_future_lend=1.5)
+
+
 def test_the_ttft_objective_not_a_minimum_chunk_moves_a_prompt_past_a_tight_stream():
     """A 30 ms stream leaves no room for 16 prompt tokens; the prompt waits while its TTFT
     objective is far, takes what the objective needs as it nears, and the minimum chunk only
