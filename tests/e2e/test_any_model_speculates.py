@@ -14,17 +14,18 @@ def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(
     tiny_llama, tmp_path
 ):
     log = tmp_path / "accept.jsonl"
-    # Whether drafting pays on this machine is speculation control's call, from measured
-    # times: on a noisy CI machine it turned drafting off for the whole run. These flags keep
-    # control exploring and probing every iteration, so what is tested is the path from the
-    # suffix index to accepted tokens, not the machine's timing (control has its own tests).
-    # The budget too: a start-up profile measured while other tests load the machine gave
-    # B = 1, where one request's root fills the budget and nothing is ever drafted.
-    steady = ["--explore-observations", "100000", "--explore-budget", "1", "--budget", "16"]
-    steady += ["--probe-interval-min", "1", "--probe-interval-max", "1"]
+    # Whether verifying a tree pays on this machine is speculation control's call, from
+    # measured times: under load one tree forward that overran its prediction raises the price
+    # of a tree token (`tree_cost_factor`) until exploring cannot pay, and nothing is verified
+    # (seen with 2 busy processes beside the test: 0 tokens accepted, 1 run in 4). Control has
+    # its own tests; here the paper's selection without it (`adaserve_paper`) verifies what
+    # the suffix index proposes, so what is tested is the path from the index to accepted
+    # tokens, not the machine's timing. The budget too: a start-up profile measured while
+    # other tests load the machine gave B = 1, where the root fills it.
+    steady = ["--policy", "adaserve_paper", "--budget", "16"]
     with serve_subprocess(str(tiny_llama), "--record-acceptance", str(log), *steady) as url:
         health = httpx.get(f"{url}/health", timeout=10).json()
-        assert health["policy"] == "adaserve" and health["drafter"] == "suffix", health
+        assert health["policy"] == "adaserve_paper" and health["drafter"] == "suffix", health
         body = {
             "model": str(tiny_llama),
             "prompt": "t5 t6 t7 t8",
@@ -39,11 +40,7 @@ def test_serve_a_checkpoint_without_a_draft_speculates_with_the_suffix_drafter(
         m = read_metrics(url)
         accepted = metric(m, "adaserve_spec_decode_num_accepted_tokens_total")
         assert accepted >= 10, f"only {accepted} tokens accepted from a repeated answer"
-        assert metric(m, "adaserve_drafter_info", policy="adaserve", drafter="suffix") == 1
-        observed = [
-            v for (name, _), v in m.items() if name == "adaserve_calibration_observed_acceptance"
-        ]
-        assert observed and all(0 <= v <= 1 for v in observed), f"calibration: {observed}"
+        assert metric(m, "adaserve_drafter_info", policy="adaserve_paper", drafter="suffix") == 1
     # SIGTERM shut the server down cleanly (exit 0, checked by serve_subprocess) and it wrote
     # every verified tree for `adaserve simulate --acceptance` on the way out.
     rows = [json.loads(line) for line in log.read_text().splitlines()]
